@@ -1,0 +1,256 @@
+//! `tidemark.toml`: the coordinator section and one `[[tasks]]` table per synced table.
+//!
+//! Unknown keys are errors that name the key; `${ENV_VAR}` is replaced by the variable's value
+//! before parsing so that secrets need not sit in the file.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::duration::serde_human;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("config error in {path}: environment variable {name} (line {line}) is not set")]
+    MissingEnv { path: String, name: String, line: usize },
+    #[error("config error in {path} at line {line}: {message}")]
+    Parse { path: String, line: usize, message: String },
+    #[error("config error in {path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub coordinator: CoordinatorConfig,
+    #[serde(default)]
+    pub tasks: Vec<TaskConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CoordinatorConfig {
+    /// gRPC address for workers and the admin CLI.
+    pub listen: String,
+    pub etcd_endpoints: Vec<String>,
+    /// Key prefix under which leases and ownership live in etcd.
+    #[serde(default = "default_etcd_prefix")]
+    pub etcd_prefix: String,
+    /// PostgreSQL URL of the control database (created if it does not exist).
+    pub control_db: String,
+    /// object_store URL of the staging store, e.g. `file:///var/tmp/tidemark-staging`.
+    pub staging: String,
+    #[serde(default = "default_lease_ttl", with = "serde_human")]
+    pub lease_ttl: Duration,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskConfig {
+    pub name: String,
+    pub source: String,
+    pub source_table: String,
+    pub target: String,
+    pub target_table: String,
+    pub key: Vec<String>,
+    pub cursor_column: String,
+    #[serde(default = "default_shards")]
+    pub shards: u32,
+    #[serde(default = "default_page_size")]
+    pub page_size: u32,
+    #[serde(default = "default_safety_delay", with = "serde_human")]
+    pub safety_delay: Duration,
+    #[serde(default = "default_poll_interval", with = "serde_human")]
+    pub poll_interval: Duration,
+}
+
+fn default_etcd_prefix() -> String {
+    "/tidemark".to_string()
+}
+fn default_lease_ttl() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_shards() -> u32 {
+    8
+}
+fn default_page_size() -> u32 {
+    5000
+}
+fn default_safety_delay() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_poll_interval() -> Duration {
+    Duration::from_secs(1)
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let display = path.display().to_string();
+        let raw = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: display.clone(),
+            source,
+        })?;
+        Self::parse(&raw, &display, |name| std::env::var(name).ok())
+    }
+
+    /// Parses config text; `lookup_env` resolves `${NAME}` references.
+    pub fn parse(
+        raw: &str,
+        path: &str,
+        lookup_env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let text = interpolate_env(raw, path, lookup_env)?;
+        let config: Config = toml::from_str(&text).map_err(|err| {
+            let line = err
+                .span()
+                .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1)
+                .unwrap_or(0);
+            ConfigError::Parse {
+                path: path.to_string(),
+                line,
+                message: err.message().replace('\n', " "),
+            }
+        })?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid {
+            path: path.to_string(),
+            message,
+        };
+        self.coordinator
+            .listen
+            .parse::<SocketAddr>()
+            .map_err(|_| invalid(format!("coordinator.listen {:?} is not HOST:PORT", self.coordinator.listen)))?;
+        if self.coordinator.etcd_endpoints.is_empty() {
+            return Err(invalid("coordinator.etcd_endpoints is empty".into()));
+        }
+        if self.coordinator.lease_ttl < Duration::from_secs(2) {
+            return Err(invalid("coordinator.lease_ttl must be at least 2s".into()));
+        }
+        let mut names = HashSet::new();
+        for task in &self.tasks {
+            let name = &task.name;
+            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+                return Err(invalid(format!(
+                    "task name {name:?} must be non-empty and use only letters, digits, '_' and '-'"
+                )));
+            }
+            if !names.insert(name.clone()) {
+                return Err(invalid(format!("task {name:?} is defined twice")));
+            }
+            if task.key.is_empty() {
+                return Err(invalid(format!("task {name}: key must name at least one column")));
+            }
+            if task.shards == 0 || task.shards > 4096 {
+                return Err(invalid(format!("task {name}: shards must be between 1 and 4096")));
+            }
+            if task.page_size == 0 {
+                return Err(invalid(format!("task {name}: page_size must be at least 1")));
+            }
+            if task.poll_interval.is_zero() {
+                return Err(invalid(format!("task {name}: poll_interval must be positive")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Replaces `${NAME}` with the variable's value. Comment lines are left alone.
+fn interpolate_env(
+    raw: &str,
+    path: &str,
+    lookup_env: impl Fn(&str) -> Option<String>,
+) -> Result<String, ConfigError> {
+    let mut out = String::with_capacity(raw.len());
+    for (index, line) in raw.split_inclusive('\n').enumerate() {
+        if line.trim_start().starts_with('#') {
+            out.push_str(line);
+            continue;
+        }
+        let mut rest = line;
+        while let Some(start) = rest.find("${") {
+            out.push_str(&rest[..start]);
+            let after = &rest[start + 2..];
+            let Some(end) = after.find('}') else {
+                out.push_str(&rest[start..]);
+                rest = "";
+                break;
+            };
+            let name = &after[..end];
+            let value = lookup_env(name).ok_or_else(|| ConfigError::MissingEnv {
+                path: path.to_string(),
+                name: name.to_string(),
+                line: index + 1,
+            })?;
+            out.push_str(&value);
+            rest = &after[end + 1..];
+        }
+        out.push_str(rest);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[coordinator]
+listen = "127.0.0.1:7400"
+etcd_endpoints = ["http://127.0.0.1:2379"]
+control_db = "postgres://postgres:${PGPASS}@127.0.0.1:5432/tidemark"
+staging = "file:///var/tmp/tidemark-staging"
+
+[[tasks]]
+name = "items"
+source = "postgres://postgres@127.0.0.1:5432/app"
+source_table = "public.items"
+target = "postgres://postgres@127.0.0.1:5432/warehouse"
+target_table = "public.items"
+key = ["id"]
+cursor_column = "updated_at"
+"#;
+
+    fn env(name: &str) -> Option<String> {
+        (name == "PGPASS").then(|| "hunter2".to_string())
+    }
+
+    #[test]
+    fn defaults_and_env_interpolation() {
+        let config = Config::parse(MINIMAL, "t.toml", env).unwrap();
+        assert_eq!(config.coordinator.control_db, "postgres://postgres:hunter2@127.0.0.1:5432/tidemark");
+        assert_eq!(config.coordinator.lease_ttl, Duration::from_secs(10));
+        let task = &config.tasks[0];
+        assert_eq!((task.shards, task.page_size), (8, 5000));
+        assert_eq!(task.safety_delay, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn unknown_key_is_named_with_its_line() {
+        let text = MINIMAL.replace("cursor_column", "shardz = 3\ncursor_column");
+        let err = Config::parse(&text, "t.toml", env).unwrap_err().to_string();
+        assert!(err.contains("unknown field `shardz`"), "{err}");
+        assert!(err.contains("line 17"), "{err}");
+    }
+
+    #[test]
+    fn missing_env_var_is_named() {
+        let err = Config::parse(MINIMAL, "t.toml", |_| None).unwrap_err().to_string();
+        assert!(err.contains("PGPASS"), "{err}");
+    }
+
+    #[test]
+    fn bad_duration_is_named() {
+        let text = MINIMAL.replace("cursor_column = \"updated_at\"", "cursor_column = \"updated_at\"\nsafety_delay = \"5\"");
+        let err = Config::parse(&text, "t.toml", env).unwrap_err().to_string();
+        assert!(err.contains("no unit"), "{err}");
+    }
+}

@@ -1,0 +1,84 @@
+//! The staged data format is PostgreSQL's COPY text stream exactly as the source produced it:
+//! one row per line, fields separated by tabs, `\N` for NULL, backslash escapes inside fields.
+//! The worker only decodes the few fields it needs (the key and the version of a page's last
+//! row); the rest of the bytes go to the target's `COPY … FROM STDIN` untouched.
+
+/// Splits a COPY text stream into rows (without their trailing newline).
+pub fn rows(data: &[u8]) -> impl Iterator<Item = &[u8]> {
+    data.split(|b| *b == b'\n').filter(|line| !line.is_empty())
+}
+
+/// The raw (still escaped) field at `index`; a raw tab is always a separator because tabs in
+/// data are written as `\t`.
+pub fn raw_field(row: &[u8], index: usize) -> Option<&[u8]> {
+    row.split(|b| *b == b'\t').nth(index)
+}
+
+/// Decodes one field: `None` for SQL NULL, otherwise the unescaped text.
+pub fn decode_field(raw: &[u8]) -> Result<Option<String>, String> {
+    if raw == b"\\N" {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        let byte = raw[i];
+        if byte != b'\\' {
+            out.push(byte);
+            i += 1;
+            continue;
+        }
+        let Some(&next) = raw.get(i + 1) else {
+            return Err("COPY field ends with a lone backslash".into());
+        };
+        i += 2;
+        match next {
+            b'b' => out.push(8),
+            b'f' => out.push(12),
+            b'n' => out.push(b'\n'),
+            b'r' => out.push(b'\r'),
+            b't' => out.push(b'\t'),
+            b'v' => out.push(11),
+            b'0'..=b'7' => {
+                let mut value = u32::from(next - b'0');
+                let mut digits = 1;
+                while digits < 3 && i < raw.len() && (b'0'..=b'7').contains(&raw[i]) {
+                    value = value * 8 + u32::from(raw[i] - b'0');
+                    i += 1;
+                    digits += 1;
+                }
+                out.push((value & 0xff) as u8);
+            }
+            b'x' => {
+                let mut value = 0u32;
+                let mut digits = 0;
+                while digits < 2 && i < raw.len() && raw[i].is_ascii_hexdigit() {
+                    value = value * 16 + (raw[i] as char).to_digit(16).expect("hex digit");
+                    i += 1;
+                    digits += 1;
+                }
+                out.push(value as u8);
+            }
+            other => out.push(other),
+        }
+    }
+    String::from_utf8(out)
+        .map(Some)
+        .map_err(|_| "COPY field is not valid UTF-8".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decodes_escapes_and_null() {
+        let data = b"1\ta\\tb\\\\c\t\\N\n2\tx\\012y\t\\x41\n";
+        let all: Vec<&[u8]> = rows(data).collect();
+        assert_eq!(all.len(), 2);
+        assert_eq!(decode_field(raw_field(all[0], 1).unwrap()).unwrap().unwrap(), "a\tb\\c");
+        assert_eq!(decode_field(raw_field(all[0], 2).unwrap()).unwrap(), None);
+        assert_eq!(decode_field(raw_field(all[1], 1).unwrap()).unwrap().unwrap(), "x\ny");
+        assert_eq!(decode_field(raw_field(all[1], 2).unwrap()).unwrap().unwrap(), "A");
+    }
+}

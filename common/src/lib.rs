@@ -1,0 +1,13 @@
+//! The shared vocabulary of Tidemark: what a task is, what a cursor and a shard range are and
+//! how they are encoded, what a batch and its manifest are, how SQL for PostgreSQL is written
+//! safely, where staged objects live, and how secrets are kept out of logs.
+
+pub mod batch;
+pub mod config;
+pub mod copy_text;
+pub mod cursor;
+pub mod duration;
+pub mod pg;
+pub mod redact;
+pub mod staging;
+pub mod telemetry;

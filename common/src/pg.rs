@@ -1,0 +1,349 @@
+//! PostgreSQL SQL, written in one audited place.
+//!
+//! Identifiers come from config and literals from source rows; both are quoted here and only
+//! here. Literals are needed because `COPY (query) TO STDOUT` takes no bind parameters.
+//! Sessions that run this SQL set `standard_conforming_strings = on`, under which doubling a
+//! single quote is the complete escaping of a string literal.
+
+use crate::cursor::{KeyValue, ShardRange};
+
+/// The column that carries each row's source version in the target table.
+pub const VERSION_COLUMN: &str = "_tidemark_version";
+/// The target-side ledger of applied batches.
+pub const LEDGER_TABLE: &str = "tidemark_ledger";
+
+pub fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+pub fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// `schema.table` or `table` (schema `public`), as written in config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableName {
+    pub schema: String,
+    pub name: String,
+}
+
+impl TableName {
+    pub fn parse(text: &str) -> Result<TableName, String> {
+        let parts: Vec<&str> = text.split('.').collect();
+        let (schema, name) = match parts.as_slice() {
+            [name] => ("public", *name),
+            [schema, name] => (*schema, *name),
+            _ => return Err(format!("table name {text:?} must be `table` or `schema.table`")),
+        };
+        if schema.is_empty() || name.is_empty() {
+            return Err(format!("table name {text:?} must be `table` or `schema.table`"));
+        }
+        Ok(TableName {
+            schema: schema.to_string(),
+            name: name.to_string(),
+        })
+    }
+
+    pub fn quoted(&self) -> String {
+        format!("{}.{}", quote_ident(&self.schema), quote_ident(&self.name))
+    }
+}
+
+impl std::fmt::Display for TableName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.schema, self.name)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Column {
+    pub name: String,
+    /// As `format_type` prints it, e.g. `timestamp(3) with time zone`.
+    pub sql_type: String,
+}
+
+fn key_literal(value: &KeyValue) -> String {
+    format!("{}::{}", quote_literal(&value.value), value.sql_type)
+}
+
+/// `(k1, k2) > ('1'::bigint, 'a'::text)`: a row comparison, lexicographic and index-friendly.
+fn keys_after(key_columns: &[String], after: &[KeyValue]) -> String {
+    let columns: Vec<String> = key_columns.iter().map(|c| quote_ident(c)).collect();
+    let values: Vec<String> = after.iter().map(key_literal).collect();
+    format!("({}) > ({})", columns.join(", "), values.join(", "))
+}
+
+/// A cursor time (microseconds since the Unix epoch) as a literal of the cursor column's type.
+/// `timestamp without time zone` values are read as UTC.
+fn time_literal(micros: i64, cursor_type: &str) -> String {
+    let base = if cursor_type.contains("with time zone") {
+        "'1970-01-01 00:00:00+00'::timestamptz"
+    } else {
+        "'1970-01-01 00:00:00'::timestamp"
+    };
+    format!("({base} + {micros} * interval '1 microsecond')")
+}
+
+/// The statements a task runs against its source and target tables.
+#[derive(Debug, Clone)]
+pub struct TableSql {
+    pub source: TableName,
+    pub target: TableName,
+    pub columns: Vec<Column>,
+    pub key_columns: Vec<String>,
+    pub cursor_column: String,
+}
+
+impl TableSql {
+    fn cursor_type(&self) -> &str {
+        self.columns
+            .iter()
+            .find(|c| c.name == self.cursor_column)
+            .map_or("timestamp with time zone", |c| c.sql_type.as_str())
+    }
+
+    /// Source columns followed by the row's version: the cursor time in microseconds. The
+    /// same list, in the same order, is the staged data's layout.
+    fn select_list(&self) -> String {
+        let mut list: Vec<String> = self.columns.iter().map(|c| quote_ident(&c.name)).collect();
+        list.push(format!(
+            "(extract(epoch from {}) * 1000000)::bigint",
+            quote_ident(&self.cursor_column)
+        ));
+        list.join(", ")
+    }
+
+    /// The staged layout's column names in the target (source columns, then the version).
+    pub fn staged_columns(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.columns.iter().map(|c| quote_ident(&c.name)).collect();
+        names.push(quote_ident(VERSION_COLUMN));
+        names
+    }
+
+    /// Index of each key column inside a staged row.
+    pub fn key_positions(&self) -> Vec<usize> {
+        self.key_columns
+            .iter()
+            .map(|k| self.columns.iter().position(|c| &c.name == k).expect("key column is a column"))
+            .collect()
+    }
+
+    pub fn key_types(&self) -> Vec<String> {
+        self.key_positions().into_iter().map(|i| self.columns[i].sql_type.clone()).collect()
+    }
+
+    fn range_condition(&self, range: &ShardRange) -> Vec<String> {
+        let first = quote_ident(&self.key_columns[0]);
+        let mut conditions = Vec::new();
+        if let Some(lo) = &range.lo {
+            conditions.push(format!("{first} >= {}", key_literal(lo)));
+        }
+        if let Some(hi) = &range.hi {
+            conditions.push(format!("{first} < {}", key_literal(hi)));
+        }
+        conditions
+    }
+
+    fn key_order(&self) -> String {
+        self.key_columns.iter().map(|c| quote_ident(c)).collect::<Vec<_>>().join(", ")
+    }
+
+    /// A snapshot page: rows of the range after `after_key` in key order, up to `max_key` on
+    /// the first key column when the planner captured one.
+    pub fn snapshot_page(
+        &self,
+        range: &ShardRange,
+        after_key: Option<&[KeyValue]>,
+        max_key: Option<&KeyValue>,
+        limit: u32,
+    ) -> String {
+        let mut conditions = self.range_condition(range);
+        if let Some(after) = after_key {
+            conditions.push(keys_after(&self.key_columns, after));
+        }
+        if let Some(max) = max_key {
+            conditions.push(format!("{} <= {}", quote_ident(&self.key_columns[0]), key_literal(max)));
+        }
+        self.copy_out(&conditions, &self.key_order(), limit)
+    }
+
+    /// An incremental page: rows with `(cursor, key) > (t, after_key)` (or `cursor >= t` when
+    /// no key is given) and `cursor < high`, in `(cursor, key)` order.
+    pub fn incremental_page(
+        &self,
+        range: &ShardRange,
+        t_micros: i64,
+        after_key: Option<&[KeyValue]>,
+        high_micros: i64,
+        limit: u32,
+    ) -> String {
+        let cursor_type = self.cursor_type();
+        let cursor = quote_ident(&self.cursor_column);
+        let mut conditions = self.range_condition(range);
+        let t = time_literal(t_micros, cursor_type);
+        match after_key {
+            None => conditions.push(format!("{cursor} >= {t}")),
+            Some(after) => {
+                let mut columns = vec![cursor.clone()];
+                columns.extend(self.key_columns.iter().map(|c| quote_ident(c)));
+                let mut values = vec![t];
+                values.extend(after.iter().map(key_literal));
+                conditions.push(format!("({}) > ({})", columns.join(", "), values.join(", ")));
+            }
+        }
+        conditions.push(format!("{cursor} < {}", time_literal(high_micros, cursor_type)));
+        let order = format!("{cursor}, {}", self.key_order());
+        self.copy_out(&conditions, &order, limit)
+    }
+
+    fn copy_out(&self, conditions: &[String], order: &str, limit: u32) -> String {
+        let where_clause = if conditions.is_empty() {
+            String::new()
+        } else {
+            format!(" WHERE {}", conditions.join(" AND "))
+        };
+        format!(
+            "COPY (SELECT {} FROM {}{where_clause} ORDER BY {order} LIMIT {limit}) TO STDOUT",
+            self.select_list(),
+            self.source.quoted()
+        )
+    }
+
+    /// The target table, created from the source's columns: the key as primary key and the
+    /// source version column that guards against old values overwriting new ones.
+    pub fn create_target_table(&self, not_null: &[bool]) -> String {
+        let mut definitions: Vec<String> = self
+            .columns
+            .iter()
+            .zip(not_null)
+            .map(|(c, nn)| {
+                format!("{} {}{}", quote_ident(&c.name), c.sql_type, if *nn { " NOT NULL" } else { "" })
+            })
+            .collect();
+        definitions.push(format!("{} bigint NOT NULL", quote_ident(VERSION_COLUMN)));
+        definitions.push(format!("PRIMARY KEY ({})", self.key_order()));
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} ({})",
+            self.target.quoted(),
+            definitions.join(", ")
+        )
+    }
+
+    /// The session-local staging table a batch is copied into before the upsert.
+    pub fn stage_table(&self) -> String {
+        quote_ident(&format!("tidemark_stage_{}", self.target.name))
+    }
+
+    pub fn create_stage_table(&self) -> String {
+        format!(
+            "CREATE TEMP TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS",
+            self.stage_table(),
+            self.target.quoted()
+        )
+    }
+
+    pub fn copy_into_stage(&self) -> String {
+        format!(
+            "COPY {} ({}) FROM STDIN",
+            self.stage_table(),
+            self.staged_columns().join(", ")
+        )
+    }
+
+    /// The versioned upsert: an older source version never overwrites a newer one.
+    pub fn upsert_from_stage(&self) -> String {
+        let columns = self.staged_columns();
+        let updates: Vec<String> = columns
+            .iter()
+            .filter(|c| !self.key_columns.iter().any(|k| quote_ident(k) == **c))
+            .map(|c| format!("{c} = EXCLUDED.{c}"))
+            .collect();
+        let version = quote_ident(VERSION_COLUMN);
+        format!(
+            "INSERT INTO {target} AS t ({cols}) SELECT {cols} FROM {stage} \
+             ON CONFLICT ({keys}) DO UPDATE SET {updates} WHERE t.{version} <= EXCLUDED.{version}",
+            target = self.target.quoted(),
+            cols = columns.join(", "),
+            stage = self.stage_table(),
+            keys = self.key_order(),
+            updates = updates.join(", "),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn items() -> TableSql {
+        TableSql {
+            source: TableName::parse("public.items").unwrap(),
+            target: TableName::parse("items").unwrap(),
+            columns: vec![
+                Column { name: "id".into(), sql_type: "bigint".into() },
+                Column { name: "updated_at".into(), sql_type: "timestamp(3) with time zone".into() },
+                Column { name: "na\"me".into(), sql_type: "text".into() },
+            ],
+            key_columns: vec!["id".into()],
+            cursor_column: "updated_at".into(),
+        }
+    }
+
+    #[test]
+    fn quoting_escapes_embedded_quotes() {
+        assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");
+        assert_eq!(quote_literal("it's"), "'it''s'");
+        assert!(TableName::parse("a.b.c").is_err());
+    }
+
+    #[test]
+    fn incremental_page_is_a_row_comparison_below_high() {
+        let sql = items().incremental_page(
+            &ShardRange { lo: None, hi: Some(KeyValue { sql_type: "bigint".into(), value: "100".into() }) },
+            1_000_000,
+            Some(&[KeyValue { sql_type: "bigint".into(), value: "7".into() }]),
+            2_000_000,
+            500,
+        );
+        assert!(sql.contains("\"id\" < '100'::bigint"), "{sql}");
+        assert!(sql.contains("(\"updated_at\", \"id\") > ((\'1970-01-01 00:00:00+00\'::timestamptz + 1000000 * interval '1 microsecond'), '7'::bigint)"), "{sql}");
+        assert!(sql.contains("ORDER BY \"updated_at\", \"id\" LIMIT 500"), "{sql}");
+    }
+
+    #[test]
+    fn upsert_is_guarded_by_version() {
+        let sql = items().upsert_from_stage();
+        assert!(sql.contains("WHERE t.\"_tidemark_version\" <= EXCLUDED.\"_tidemark_version\""), "{sql}");
+        assert!(sql.contains("\"na\"\"me\" = EXCLUDED.\"na\"\"me\""), "{sql}");
+        assert!(!sql.contains("\"id\" = EXCLUDED"), "{sql}");
+    }
+}
+
+/// Connection options for every Tidemark session: UTC, standard-conforming strings (which
+/// the literal quoting above relies on) and an application name that shows in
+/// `pg_stat_activity`.
+pub fn connect_options(
+    url: &str,
+    application_name: &str,
+) -> Result<sqlx::postgres::PgConnectOptions, String> {
+    let options: sqlx::postgres::PgConnectOptions = url
+        .parse()
+        .map_err(|e| format!("{}: {e}", crate::redact::redact_url(url)))?;
+    Ok(options
+        .application_name(application_name)
+        .options([("TimeZone", "UTC"), ("standard_conforming_strings", "on")]))
+}
+
+/// Whether a driver error is worth retrying (the server is unreachable or restarting), as
+/// opposed to a problem that retrying cannot fix (bad credentials, missing database, SQL).
+pub fn is_transient(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Database(db) => matches!(
+            db.code().as_deref(),
+            // admin_shutdown, crash_shutdown, cannot_connect_now, serialization, deadlock
+            Some("57P01") | Some("57P02") | Some("57P03") | Some("40001") | Some("40P01")
+        ),
+        _ => false,
+    }
+}

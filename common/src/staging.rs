@@ -1,0 +1,160 @@
+//! The staging store: immutable batch objects in any `object_store` URL.
+//!
+//! All object paths are built here. Writes are create-if-absent: an object that already
+//! exists with the same bytes is success, with other bytes an error, so a staged batch can
+//! never change under a reader. The data object is written first and the manifest last; a
+//! data object without a manifest is a torn write that nothing references.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+
+use crate::batch::{Manifest, content_hash};
+use crate::redact::redact_url;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StagingError {
+    #[error("staging URL {url}: {message}")]
+    Url { url: String, message: String },
+    #[error("staging object {path}: {source}")]
+    Store { path: String, source: object_store::Error },
+    #[error("staging object {path} already exists with different content")]
+    Conflict { path: String },
+    #[error("staged batch {batch_id} is corrupt: {message}")]
+    Corrupt { batch_id: String, message: String },
+}
+
+#[derive(Clone)]
+pub struct Staging {
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Staging({})", self.prefix)
+    }
+}
+
+impl Staging {
+    /// Opens a staging store; a `file://` directory is created when missing.
+    pub fn open(url_text: &str) -> Result<Staging, StagingError> {
+        let url_error = |message: String| StagingError::Url {
+            url: redact_url(url_text),
+            message,
+        };
+        let url = url::Url::parse(url_text).map_err(|e| url_error(e.to_string()))?;
+        if url.scheme() == "file" {
+            let dir = url.to_file_path().map_err(|_| url_error("not a local path".into()))?;
+            std::fs::create_dir_all(&dir).map_err(|e| url_error(e.to_string()))?;
+        }
+        let (store, prefix) = object_store::parse_url(&url).map_err(|e| url_error(e.to_string()))?;
+        Ok(Staging {
+            store: Arc::from(store),
+            prefix,
+        })
+    }
+
+    fn batch_dir(&self, task: &str, epoch: u64, shard_id: u32, batch_id: &str) -> String {
+        format!("{task}/epoch-{epoch}/shard-{shard_id}/{batch_id}")
+    }
+
+    /// Data objects are content-addressed inside the batch's folder, so two reads of the same
+    /// bounds that saw different rows never overwrite each other.
+    pub fn data_path(&self, manifest: &Manifest) -> String {
+        let hash = manifest.content_hash.trim_start_matches("sha256:");
+        format!(
+            "{}/data-{hash}.copy",
+            self.batch_dir(&manifest.task, manifest.epoch, manifest.shard_id, &manifest.batch_id)
+        )
+    }
+
+    pub fn manifest_path(&self, manifest: &Manifest) -> String {
+        let hash = manifest.content_hash.trim_start_matches("sha256:");
+        format!(
+            "{}/manifest-{hash}.json",
+            self.batch_dir(&manifest.task, manifest.epoch, manifest.shard_id, &manifest.batch_id)
+        )
+    }
+
+    fn location(&self, relative: &str) -> Path {
+        let mut location = self.prefix.clone();
+        for part in relative.split('/') {
+            location = location.clone().join(part);
+        }
+        location
+    }
+
+    async fn put_if_absent(&self, relative: &str, bytes: Bytes) -> Result<(), StagingError> {
+        let location = self.location(relative);
+        let options = PutOptions::from(PutMode::Create);
+        match self
+            .store
+            .put_opts(&location, PutPayload::from(bytes.clone()), options)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(object_store::Error::AlreadyExists { .. }) => {
+                let existing = self.get(relative).await?;
+                if existing == bytes {
+                    Ok(())
+                } else {
+                    Err(StagingError::Conflict {
+                        path: relative.to_string(),
+                    })
+                }
+            }
+            Err(source) => Err(StagingError::Store {
+                path: relative.to_string(),
+                source,
+            }),
+        }
+    }
+
+    pub async fn get(&self, relative: &str) -> Result<Bytes, StagingError> {
+        let store_error = |source| StagingError::Store {
+            path: relative.to_string(),
+            source,
+        };
+        let result = self.store.get(&self.location(relative)).await.map_err(store_error)?;
+        result.bytes().await.map_err(store_error)
+    }
+
+    /// Writes data then manifest; returns the manifest's path. `manifest.data_path` is filled
+    /// in here.
+    pub async fn write_batch(&self, manifest: &mut Manifest, data: Bytes) -> Result<String, StagingError> {
+        debug_assert_eq!(manifest.content_hash, content_hash(&data));
+        manifest.data_path = self.data_path(manifest);
+        self.put_if_absent(&manifest.data_path, data).await?;
+        let manifest_path = self.manifest_path(manifest);
+        let manifest_bytes = serde_json::to_vec_pretty(manifest).expect("manifest serializes");
+        self.put_if_absent(&manifest_path, Bytes::from(manifest_bytes)).await?;
+        Ok(manifest_path)
+    }
+
+    /// Reads a batch by its manifest and verifies the data against the manifest's hash and
+    /// size.
+    pub async fn read_batch(&self, manifest_path: &str) -> Result<(Manifest, Bytes), StagingError> {
+        let manifest_bytes = self.get(manifest_path).await?;
+        let manifest: Manifest = serde_json::from_slice(&manifest_bytes).map_err(|e| StagingError::Corrupt {
+            batch_id: manifest_path.to_string(),
+            message: format!("manifest does not parse: {e}"),
+        })?;
+        let data = self.get(&manifest.data_path).await?;
+        let actual = content_hash(&data);
+        if actual != manifest.content_hash || data.len() as u64 != manifest.byte_size {
+            return Err(StagingError::Corrupt {
+                batch_id: manifest.batch_id.clone(),
+                message: format!(
+                    "data hash {actual} ({} bytes) does not match manifest {} ({} bytes)",
+                    data.len(),
+                    manifest.content_hash,
+                    manifest.byte_size
+                ),
+            });
+        }
+        Ok((manifest, data))
+    }
+}

@@ -1,0 +1,535 @@
+//! The control database: epochs, shard checkpoints and the batch registry.
+//!
+//! Every checkpoint change is one transaction that locks the shard's row, compares the fence
+//! token (only the current lease holder may move it), the CAS version and the lower bound,
+//! and then advances. Nothing else writes `cursor`, `version` or `fence`.
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::{Acquire, Row};
+use tidemark_common::cursor::Cursor;
+use tidemark_common::pg::{connect_options, quote_ident};
+
+use crate::error::{CoordinatorError, display_url};
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/control");
+
+/// Identifies one shard of one epoch.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ShardKey {
+    pub task: String,
+    pub epoch: u64,
+    pub shard_id: u32,
+}
+
+/// A shard's row as the coordinator hands it to a new owner.
+#[derive(Debug, Clone)]
+pub struct ShardRecord {
+    pub key: ShardKey,
+    pub range: String,
+    pub cursor: Cursor,
+    pub version: u64,
+    pub fence: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct PendingBatchRecord {
+    pub batch_id: String,
+    pub manifest_path: String,
+}
+
+/// What an epoch froze at planning time.
+#[derive(Debug, Clone)]
+pub struct EpochRecord {
+    pub epoch: u64,
+    pub schema_id: String,
+    pub columns: serde_json::Value,
+    pub h0_max_key: Option<serde_json::Value>,
+    pub incremental_start: Cursor,
+}
+
+/// A planned epoch, written once.
+#[derive(Debug, Clone)]
+pub struct EpochPlan {
+    pub task: String,
+    pub epoch: u64,
+    pub schema_id: String,
+    pub columns: serde_json::Value,
+    pub h0_time_micros: i64,
+    pub h0_max_key: Option<serde_json::Value>,
+    pub incremental_start: Cursor,
+    /// Encoded shard ranges, in shard id order.
+    pub ranges: Vec<String>,
+}
+
+pub struct RegisterBatch<'a> {
+    pub shard: &'a ShardKey,
+    pub fence: u64,
+    pub batch_id: &'a str,
+    pub lower: &'a Cursor,
+    pub upper: &'a Cursor,
+    pub row_count: u64,
+    pub byte_size: u64,
+    pub content_hash: &'a str,
+    pub manifest_path: &'a str,
+}
+
+pub struct CommitBatch<'a> {
+    pub shard: &'a ShardKey,
+    pub fence: u64,
+    pub expected_version: u64,
+    pub batch_id: &'a str,
+    pub lower: &'a Cursor,
+    pub upper: &'a Cursor,
+    pub row_count: u64,
+    pub empty: bool,
+    pub replayed: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct ShardStatusRow {
+    pub shard_id: u32,
+    pub range: String,
+    pub phase: String,
+    pub cursor: Cursor,
+    pub rows_applied: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct TaskStatusRow {
+    pub name: String,
+    pub epoch: u64,
+    pub paused_reason: Option<String>,
+    pub shards: Vec<ShardStatusRow>,
+}
+
+#[derive(Clone)]
+pub struct ControlDb {
+    pool: PgPool,
+}
+
+fn decode_cursor(value: serde_json::Value) -> Result<Cursor, CoordinatorError> {
+    Cursor::decode(&value.to_string()).map_err(|e| CoordinatorError::InvalidRequest(e.to_string()))
+}
+
+fn parse_cursor(text: &str) -> Result<Cursor, CoordinatorError> {
+    Cursor::decode(text).map_err(|e| CoordinatorError::InvalidRequest(e.to_string()))
+}
+
+fn cursor_json(cursor: &Cursor) -> serde_json::Value {
+    serde_json::to_value(cursor).expect("cursor serializes")
+}
+
+impl ControlDb {
+    /// Connects (creating the database when it does not exist) and runs the migrations.
+    /// sqlx holds an advisory lock while migrating, so concurrent coordinators are safe.
+    pub async fn connect(url: &str) -> Result<ControlDb, CoordinatorError> {
+        let options = connect_options(url, "tidemark-coordinator").map_err(CoordinatorError::InvalidRequest)?;
+        let pool_options = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(10));
+        let pool = match pool_options.clone().connect_with(options.clone()).await {
+            Ok(pool) => pool,
+            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("3D000") => {
+                let database = options.get_database().unwrap_or("tidemark").to_string();
+                tracing::info!(database, url = %display_url(url), "control database does not exist; creating it");
+                let admin = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect_with(options.clone().database("postgres"))
+                    .await?;
+                let create = format!("CREATE DATABASE {}", quote_ident(&database));
+                if let Err(error) = sqlx::query(sqlx::AssertSqlSafe(create)).execute(&admin).await {
+                    let raced = matches!(&error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42P04"));
+                    if !raced {
+                        return Err(error.into());
+                    }
+                }
+                admin.close().await;
+                pool_options.connect_with(options).await?
+            }
+            Err(error) => return Err(error.into()),
+        };
+        MIGRATOR
+            .run(&pool)
+            .await
+            .map_err(|e| CoordinatorError::ControlDb(sqlx::Error::Migrate(Box::new(e))))?;
+        Ok(ControlDb { pool })
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    pub async fn current_epoch(&self, task: &str) -> Result<Option<EpochRecord>, CoordinatorError> {
+        let row = sqlx::query(
+            "SELECT e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start \
+             FROM tasks t JOIN epochs e ON e.task = t.name AND e.epoch = t.current_epoch WHERE t.name = $1",
+        )
+        .bind(task)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|row| {
+            Ok(EpochRecord {
+                epoch: row.get::<i64, _>(0) as u64,
+                schema_id: row.get(1),
+                columns: row.get(2),
+                h0_max_key: row.get(3),
+                incremental_start: decode_cursor(row.get(4))?,
+            })
+        })
+        .transpose()
+    }
+
+    /// Writes a planned epoch with its shards, unless another coordinator already did: the
+    /// task row's primary key decides, and the loser reads the winner's plan.
+    pub async fn create_epoch(&self, plan: &EpochPlan) -> Result<bool, CoordinatorError> {
+        let mut tx = self.pool.begin().await?;
+        let inserted = sqlx::query(
+            "INSERT INTO tasks (name, current_epoch) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+        )
+        .bind(&plan.task)
+        .bind(plan.epoch as i64)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if inserted == 0 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(&plan.task)
+        .bind(plan.epoch as i64)
+        .bind(&plan.schema_id)
+        .bind(&plan.columns)
+        .bind(plan.h0_time_micros)
+        .bind(&plan.h0_max_key)
+        .bind(cursor_json(&plan.incremental_start))
+        .execute(&mut *tx)
+        .await?;
+        let start = cursor_json(&Cursor::snapshot_start(plan.epoch));
+        for (shard_id, range) in plan.ranges.iter().enumerate() {
+            let range: serde_json::Value = serde_json::from_str(range).expect("encoded range is JSON");
+            sqlx::query(
+                "INSERT INTO checkpoints (task, epoch, shard_id, range, phase, cursor) \
+                 VALUES ($1, $2, $3, $4, 'SNAPSHOT', $5)",
+            )
+            .bind(&plan.task)
+            .bind(plan.epoch as i64)
+            .bind(shard_id as i32)
+            .bind(range)
+            .bind(&start)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    pub async fn pause_task(&self, task: &str, reason: &str) -> Result<(), CoordinatorError> {
+        sqlx::query("UPDATE tasks SET paused_reason = $2 WHERE name = $1")
+            .bind(task)
+            .bind(reason)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Shards of the given tasks' current epochs that are not paused, least recently
+    /// touched first.
+    pub async fn shard_candidates(&self, tasks: &[String]) -> Result<Vec<ShardKey>, CoordinatorError> {
+        let rows = sqlx::query(
+            "SELECT c.task, c.epoch, c.shard_id FROM checkpoints c \
+             JOIN tasks t ON t.name = c.task AND t.current_epoch = c.epoch \
+             WHERE t.paused_reason IS NULL AND c.task = ANY($1) ORDER BY c.updated_at, c.task, c.shard_id",
+        )
+        .bind(tasks)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| ShardKey {
+                task: row.get(0),
+                epoch: row.get::<i64, _>(1) as u64,
+                shard_id: row.get::<i32, _>(2) as u32,
+            })
+            .collect())
+    }
+
+    /// Records a new owner under a fence token that must be larger than every earlier one.
+    pub async fn claim(&self, shard: &ShardKey, fence: u64, owner: &str) -> Result<Option<ShardRecord>, CoordinatorError> {
+        let row = sqlx::query(
+            "UPDATE checkpoints SET fence = $4, owner = $5, updated_at = now() \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence < $4 \
+             RETURNING range, cursor, version, fence",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .bind(fence as i64)
+        .bind(owner)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|row| {
+            Ok(ShardRecord {
+                key: shard.clone(),
+                range: row.get::<serde_json::Value, _>(0).to_string(),
+                cursor: decode_cursor(row.get(1))?,
+                version: row.get::<i64, _>(2) as u64,
+                fence: row.get::<i64, _>(3) as u64,
+            })
+        })
+        .transpose()
+    }
+
+    /// The staged, uncommitted batch that starts at the shard's committed cursor, if any.
+    pub async fn pending_batch(&self, shard: &ShardKey, cursor: &Cursor) -> Result<Option<PendingBatchRecord>, CoordinatorError> {
+        let row = sqlx::query(
+            "SELECT batch_id, manifest_path FROM batches \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND state = 'STAGED' AND lower = $4 \
+             ORDER BY staged_at LIMIT 1",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .bind(cursor_json(cursor))
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(|row| PendingBatchRecord {
+            batch_id: row.get(0),
+            manifest_path: row.get(1),
+        }))
+    }
+
+    /// Locks the shard's checkpoint row and checks that `fence` is the current owner's.
+    async fn lock_checkpoint(
+        conn: &mut sqlx::PgConnection,
+        shard: &ShardKey,
+        fence: u64,
+    ) -> Result<(Cursor, u64, Option<String>), CoordinatorError> {
+        let row = sqlx::query(
+            "SELECT c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason FROM checkpoints c \
+             JOIN tasks t ON t.name = c.task \
+             WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3 FOR UPDATE OF c",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or_else(|| CoordinatorError::InvalidRequest(format!("no shard {} in epoch {} of task {}", shard.shard_id, shard.epoch, shard.task)))?;
+        let current_fence = row.get::<i64, _>(2) as u64;
+        if current_fence != fence {
+            return Err(CoordinatorError::Fenced {
+                task: shard.task.clone(),
+                shard: shard.shard_id,
+                current: current_fence,
+                given: fence,
+            });
+        }
+        if let Some(reason) = row.get::<Option<String>, _>(4) {
+            return Err(CoordinatorError::Paused {
+                task: shard.task.clone(),
+                reason,
+            });
+        }
+        Ok((decode_cursor(row.get(0))?, row.get::<i64, _>(1) as u64, row.get(3)))
+    }
+
+    /// Records a staged batch. Its bounds are fixed from here on (invariant 2): registering the
+    /// same id again with other content is refused.
+    pub async fn register_batch(&self, batch: &RegisterBatch<'_>) -> Result<(), CoordinatorError> {
+        let mut tx = self.pool.begin().await?;
+        let (cursor, _, _) = Self::lock_checkpoint(tx.acquire().await?, batch.shard, batch.fence).await?;
+        if &cursor != batch.lower {
+            return Err(CoordinatorError::CheckpointConflict {
+                task: batch.shard.task.clone(),
+                shard: batch.shard.shard_id,
+                message: format!("batch lower bound {} is not the committed cursor {}", batch.lower.describe(), cursor.describe()),
+            });
+        }
+        let existing = sqlx::query("SELECT content_hash, state FROM batches WHERE batch_id = $1")
+            .bind(batch.batch_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if let Some(row) = existing {
+            let hash: String = row.get(0);
+            let state: String = row.get(1);
+            if hash != batch.content_hash {
+                return Err(CoordinatorError::Batch {
+                    batch_id: batch.batch_id.to_string(),
+                    message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
+                });
+            }
+            tx.commit().await?;
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO batches (batch_id, task, epoch, shard_id, lower, upper, row_count, byte_size, \
+             content_hash, manifest_path, fence, state) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,'STAGED')",
+        )
+        .bind(batch.batch_id)
+        .bind(&batch.shard.task)
+        .bind(batch.shard.epoch as i64)
+        .bind(batch.shard.shard_id as i32)
+        .bind(cursor_json(batch.lower))
+        .bind(cursor_json(batch.upper))
+        .bind(batch.row_count as i64)
+        .bind(batch.byte_size as i64)
+        .bind(batch.content_hash)
+        .bind(batch.manifest_path)
+        .bind(batch.fence as i64)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The compare-and-swap that advances a shard. Returns the new checkpoint version.
+    ///
+    /// A retry of a commit that already succeeded (its reply was lost) is recognised by the
+    /// stored cursor and last batch id and answered with the current version.
+    pub async fn commit_batch(&self, commit: &CommitBatch<'_>) -> Result<u64, CoordinatorError> {
+        let shard = commit.shard;
+        let conflict = |message: String| CoordinatorError::CheckpointConflict {
+            task: shard.task.clone(),
+            shard: shard.shard_id,
+            message,
+        };
+        let mut tx = self.pool.begin().await?;
+        let (cursor, version, last_batch_id) = Self::lock_checkpoint(tx.acquire().await?, shard, commit.fence).await?;
+        if !commit.empty
+            && &cursor == commit.upper
+            && last_batch_id.as_deref() == Some(commit.batch_id)
+            && version == commit.expected_version + 1
+        {
+            tx.commit().await?;
+            return Ok(version);
+        }
+        if version != commit.expected_version {
+            return Err(conflict(format!("expected version {}, found {version}", commit.expected_version)));
+        }
+        if &cursor != commit.lower {
+            return Err(conflict(format!(
+                "batch lower bound {} is not the committed cursor {}",
+                commit.lower.describe(),
+                cursor.describe()
+            )));
+        }
+        if !commit.empty {
+            let updated = sqlx::query(
+                "UPDATE batches SET state = 'COMMITTED', committed_at = now(), replayed = $2 \
+                 WHERE batch_id = $1 AND state = 'STAGED' AND upper = $3",
+            )
+            .bind(commit.batch_id)
+            .bind(commit.replayed)
+            .bind(cursor_json(commit.upper))
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if updated != 1 {
+                return Err(CoordinatorError::Batch {
+                    batch_id: commit.batch_id.to_string(),
+                    message: "is not a staged batch with these bounds".into(),
+                });
+            }
+            // Anything else staged from this position can never commit now.
+            sqlx::query(
+                "UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND shard_id = $3 \
+                 AND state = 'STAGED'",
+            )
+            .bind(&shard.task)
+            .bind(shard.epoch as i64)
+            .bind(shard.shard_id as i32)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let phase = if commit.upper.is_incremental() { "INCREMENTAL" } else { "SNAPSHOT" };
+        let new_version = version + 1;
+        sqlx::query(
+            "UPDATE checkpoints SET cursor = $4, version = $5, phase = $6, \
+             last_batch_id = COALESCE($7, last_batch_id), rows_applied = rows_applied + $8, updated_at = now() \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .bind(cursor_json(commit.upper))
+        .bind(new_version as i64)
+        .bind(phase)
+        .bind((!commit.empty).then_some(commit.batch_id))
+        .bind(commit.row_count as i64)
+        .execute(&mut *tx)
+        .await?;
+        if !commit.empty {
+            sqlx::query(
+                "INSERT INTO checkpoint_history (task, epoch, shard_id, version, fence, cursor, batch_id, row_count) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            )
+            .bind(&shard.task)
+            .bind(shard.epoch as i64)
+            .bind(shard.shard_id as i32)
+            .bind(new_version as i64)
+            .bind(commit.fence as i64)
+            .bind(cursor_json(commit.upper))
+            .bind(commit.batch_id)
+            .bind(commit.row_count as i64)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(new_version)
+    }
+
+    pub async fn release(&self, shard: &ShardKey, fence: u64, owner: &str) -> Result<(), CoordinatorError> {
+        sqlx::query(
+            "UPDATE checkpoints SET owner = NULL WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence = $4 AND owner = $5",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .bind(fence as i64)
+        .bind(owner)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    pub async fn status(&self) -> Result<Vec<TaskStatusRow>, CoordinatorError> {
+        let rows = sqlx::query(
+            "SELECT t.name, t.current_epoch, t.paused_reason, c.shard_id, c.range, c.phase, c.cursor, c.rows_applied \
+             FROM tasks t JOIN checkpoints c ON c.task = t.name AND c.epoch = t.current_epoch \
+             ORDER BY t.name, c.shard_id",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let mut tasks: Vec<TaskStatusRow> = Vec::new();
+        for row in rows {
+            let name: String = row.get(0);
+            if tasks.last().is_none_or(|t| t.name != name) {
+                tasks.push(TaskStatusRow {
+                    name: name.clone(),
+                    epoch: row.get::<i64, _>(1) as u64,
+                    paused_reason: row.get(2),
+                    shards: Vec::new(),
+                });
+            }
+            let task = tasks.last_mut().expect("pushed above");
+            task.shards.push(ShardStatusRow {
+                shard_id: row.get::<i32, _>(3) as u32,
+                range: row.get::<serde_json::Value, _>(4).to_string(),
+                phase: row.get(5),
+                cursor: decode_cursor(row.get(6))?,
+                rows_applied: row.get::<i64, _>(7) as u64,
+            });
+        }
+        Ok(tasks)
+    }
+}
+
+pub fn parse_request_cursor(text: &str) -> Result<Cursor, CoordinatorError> {
+    parse_cursor(text)
+}

@@ -1,0 +1,69 @@
+//! The coordinator's errors and their one mapping to gRPC status codes.
+
+use tidemark_common::redact::redact_url;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoordinatorError {
+    /// The caller's fence token is not the shard's current one: another worker owns it now.
+    #[error("fenced: shard {shard} of task {task} is owned under fence {current}, not {given}")]
+    Fenced {
+        task: String,
+        shard: u32,
+        current: u64,
+        given: u64,
+    },
+    /// The checkpoint moved since the caller read it (version or lower bound differ).
+    #[error("checkpoint conflict on shard {shard} of task {task}: {message}")]
+    CheckpointConflict { task: String, shard: u32, message: String },
+    #[error("batch {batch_id}: {message}")]
+    Batch { batch_id: String, message: String },
+    #[error("worker lease {lease_id} has expired; register again")]
+    LeaseExpired { lease_id: i64 },
+    #[error("task {task} is paused: {reason}")]
+    Paused { task: String, reason: String },
+    #[error("unknown task {0}")]
+    UnknownTask(String),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("task {task}: {message}")]
+    TaskSetup { task: String, message: String },
+    #[error("control database: {0}")]
+    ControlDb(#[from] sqlx::Error),
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+}
+
+impl CoordinatorError {
+    pub fn task_setup(task: &str, message: impl Into<String>) -> CoordinatorError {
+        CoordinatorError::TaskSetup {
+            task: task.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<CoordinatorError> for tonic::Status {
+    fn from(error: CoordinatorError) -> tonic::Status {
+        let message = error.to_string();
+        match error {
+            // FAILED_PRECONDITION tells the worker to drop the shard; the checkpoint did not move.
+            CoordinatorError::Fenced { .. } | CoordinatorError::Paused { .. } => {
+                tonic::Status::failed_precondition(message)
+            }
+            CoordinatorError::CheckpointConflict { .. } | CoordinatorError::Batch { .. } => {
+                tonic::Status::aborted(message)
+            }
+            CoordinatorError::LeaseExpired { .. } => tonic::Status::unauthenticated(message),
+            CoordinatorError::UnknownTask(_) | CoordinatorError::InvalidRequest(_) => {
+                tonic::Status::invalid_argument(message)
+            }
+            CoordinatorError::TaskSetup { .. } => tonic::Status::failed_precondition(message),
+            CoordinatorError::ControlDb(_) | CoordinatorError::Etcd(_) => tonic::Status::unavailable(message),
+        }
+    }
+}
+
+/// A printable form of a database URL for messages.
+pub fn display_url(url: &str) -> String {
+    redact_url(url)
+}

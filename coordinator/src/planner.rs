@@ -1,0 +1,318 @@
+//! Task setup: validates the source table against the task's contract, plans epoch 1 at the
+//! start bound H0 (source time and largest key) with its shard ranges, and creates the
+//! target table and ledger when they are missing.
+
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use sha2::{Digest, Sha256};
+use sqlx::Row;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tidemark_common::config::TaskConfig;
+use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, Position, plan_ranges};
+use tidemark_common::pg::{Column, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient, quote_ident};
+use tidemark_common::redact::redact_url;
+
+use crate::checkpoints::{ControlDb, EpochPlan, EpochRecord};
+use crate::error::CoordinatorError;
+
+const LEDGER_DDL: &str = include_str!("../../migrations/target/ledger.sql");
+
+/// A task as the coordinator serves it: its config and its current epoch's frozen plan.
+#[derive(Debug, Clone)]
+pub struct PreparedTask {
+    pub config: TaskConfig,
+    pub epoch: EpochRecord,
+    pub columns: Vec<Column>,
+    pub paused_reason: Option<String>,
+}
+
+/// Connects to a task database, retrying while it is unreachable.
+pub async fn connect_database(task: &str, role: &str, url: &str) -> Result<PgPool, CoordinatorError> {
+    let options = connect_options(url, "tidemark-coordinator")
+        .map_err(|e| CoordinatorError::task_setup(task, format!("{role} URL: {e}")))?;
+    let connect = || async {
+        PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options.clone())
+            .await
+    };
+    connect
+        .retry(ExponentialBuilder::default().with_max_times(6).with_max_delay(Duration::from_secs(10)))
+        .when(is_transient)
+        .notify(|error, delay| {
+            tracing::warn!(task, role, url = %redact_url(url), %error, ?delay, "database unreachable; retrying");
+        })
+        .await
+        .map_err(|e| CoordinatorError::task_setup(task, format!("cannot connect to {role} {}: {e}", redact_url(url))))
+}
+
+struct SourceColumn {
+    column: Column,
+    not_null: bool,
+}
+
+async fn introspect(pool: &PgPool, task: &str, role: &str, table: &TableName) -> Result<Option<Vec<SourceColumn>>, CoordinatorError> {
+    let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(table.quoted())
+        .fetch_one(pool)
+        .await
+        .map_err(|e| CoordinatorError::task_setup(task, format!("{role} table {table}: {e}")))?;
+    if exists.is_none() {
+        return Ok(None);
+    }
+    let rows = sqlx::query(
+        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull FROM pg_attribute a \
+         WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
+    )
+    .bind(table.quoted())
+    .fetch_all(pool)
+    .await?;
+    Ok(Some(
+        rows.into_iter()
+            .map(|row| SourceColumn {
+                column: Column {
+                    name: row.get(0),
+                    sql_type: row.get(1),
+                },
+                not_null: row.get(2),
+            })
+            .collect(),
+    ))
+}
+
+/// Whether a unique, non-partial index (or the primary key) covers exactly `key`.
+async fn key_is_unique(pool: &PgPool, table: &TableName, key: &[String]) -> Result<bool, CoordinatorError> {
+    let indexes: Vec<Vec<String>> = sqlx::query_scalar(
+        "SELECT array_agg(a.attname::text) FROM pg_index i \
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
+         WHERE i.indrelid = $1::regclass AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL \
+         GROUP BY i.indexrelid",
+    )
+    .bind(table.quoted())
+    .fetch_all(pool)
+    .await?;
+    let mut wanted = key.to_vec();
+    wanted.sort();
+    Ok(indexes.into_iter().any(|mut columns| {
+        columns.sort();
+        columns == wanted
+    }))
+}
+
+fn schema_id(columns: &[Column]) -> String {
+    let mut hasher = Sha256::new();
+    for column in columns {
+        hasher.update(column.name.as_bytes());
+        hasher.update(b" ");
+        hasher.update(column.sql_type.as_bytes());
+        hasher.update(b"\n");
+    }
+    format!("schema-{}", hex::encode(&hasher.finalize()[..8]))
+}
+
+fn is_integer_type(sql_type: &str) -> bool {
+    matches!(sql_type, "bigint" | "integer" | "smallint")
+}
+
+fn is_timestamp_type(sql_type: &str) -> bool {
+    sql_type.starts_with("timestamp")
+}
+
+/// Validates the source and target, plans the first epoch if the task has none, and returns
+/// the task as served.
+pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<PreparedTask, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let source_table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let target_table = TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?;
+
+    let source = connect_database(task, "source", &config.source).await?;
+    let source_columns = introspect(&source, task, "source", &source_table)
+        .await?
+        .ok_or_else(|| setup(format!("source table {source_table} does not exist")))?;
+    let find = |name: &str| source_columns.iter().find(|c| c.column.name == name);
+    for key in &config.key {
+        let column = find(key).ok_or_else(|| setup(format!("key column {key:?} does not exist in {source_table}")))?;
+        if !column.not_null {
+            return Err(setup(format!("key column {key:?} of {source_table} is nullable; keys must be NOT NULL")));
+        }
+    }
+    if !key_is_unique(&source, &source_table, &config.key).await? {
+        return Err(setup(format!(
+            "key ({}) of {source_table} is not unique: no unique index or primary key covers exactly these columns",
+            config.key.join(", ")
+        )));
+    }
+    let cursor = find(&config.cursor_column)
+        .ok_or_else(|| setup(format!("cursor_column {:?} does not exist in {source_table}", config.cursor_column)))?;
+    if !cursor.not_null {
+        return Err(setup(format!(
+            "cursor_column {:?} of {source_table} is nullable; the cursor column must be NOT NULL",
+            config.cursor_column
+        )));
+    }
+    if !is_timestamp_type(&cursor.column.sql_type) {
+        return Err(setup(format!(
+            "cursor_column {:?} has type {}; it must be a timestamp",
+            config.cursor_column, cursor.column.sql_type
+        )));
+    }
+    let first_key = find(&config.key[0]).expect("checked above");
+    let first_key_type = first_key.column.sql_type.clone();
+    if !is_integer_type(&first_key_type) && first_key_type != "uuid" {
+        return Err(setup(format!(
+            "key column {:?} has type {first_key_type}; shards need an integer or uuid first key column",
+            config.key[0]
+        )));
+    }
+    if source_columns.iter().any(|c| c.column.name == VERSION_COLUMN) {
+        return Err(setup(format!("source table {source_table} has a column named {VERSION_COLUMN}, which Tidemark reserves")));
+    }
+    let columns: Vec<Column> = source_columns.iter().map(|c| c.column.clone()).collect();
+    let not_null: Vec<bool> = source_columns.iter().map(|c| c.not_null).collect();
+    let current_schema_id = schema_id(&columns);
+
+    let epoch = match control.current_epoch(task).await? {
+        Some(epoch) => epoch,
+        None => {
+            let plan = plan_epoch(&source, config, &source_table, &first_key_type, &columns, &current_schema_id).await?;
+            if control.create_epoch(&plan).await? {
+                tracing::info!(task, epoch = plan.epoch, shards = plan.ranges.len(), schema_id = %plan.schema_id, "planned epoch");
+            }
+            control
+                .current_epoch(task)
+                .await?
+                .ok_or_else(|| setup("epoch vanished after planning".into()))?
+        }
+    };
+    source.close().await;
+
+    let mut paused_reason = None;
+    if epoch.schema_id != current_schema_id {
+        let reason = format!(
+            "schema changed: source columns of {source_table} no longer match epoch {} ({} != {}); reinitialization required",
+            epoch.epoch, current_schema_id, epoch.schema_id
+        );
+        tracing::error!(task, %reason, "pausing task");
+        control.pause_task(task, &reason).await?;
+        paused_reason = Some(reason);
+    }
+    let frozen_columns: Vec<Column> = serde_json::from_value::<Vec<(String, String)>>(epoch.columns.clone())
+        .map_err(|e| setup(format!("stored epoch columns: {e}")))?
+        .into_iter()
+        .map(|(name, sql_type)| Column { name, sql_type })
+        .collect();
+
+    let target = connect_database(task, "target", &config.target).await?;
+    let sql = TableSql {
+        source: source_table,
+        target: target_table.clone(),
+        columns: frozen_columns.clone(),
+        key_columns: config.key.clone(),
+        cursor_column: config.cursor_column.clone(),
+    };
+    ensure_target(&target, task, &sql, &not_null).await?;
+    target.close().await;
+
+    Ok(PreparedTask {
+        config: config.clone(),
+        epoch,
+        columns: frozen_columns,
+        paused_reason,
+    })
+}
+
+async fn plan_epoch(
+    source: &PgPool,
+    config: &TaskConfig,
+    table: &TableName,
+    first_key_type: &str,
+    columns: &[Column],
+    schema_id: &str,
+) -> Result<EpochPlan, CoordinatorError> {
+    let first_key = quote_ident(&config.key[0]);
+    let query = format!(
+        "SELECT (extract(epoch from now()) * 1000000)::bigint, min({first_key})::text, max({first_key})::text FROM {}",
+        table.quoted()
+    );
+    let row = sqlx::query(sqlx::AssertSqlSafe(query)).fetch_one(source).await?;
+    let h0_time_micros: i64 = row.get(0);
+    let (domain, h0_max_key) = if first_key_type == "uuid" {
+        (KeyDomain::Uuid, None)
+    } else {
+        let parse = |text: Option<String>| text.and_then(|t| t.parse::<i64>().ok());
+        let min = parse(row.get(1));
+        let max = parse(row.get(2));
+        let domain = KeyDomain::Integer {
+            sql_type: first_key_type.to_string(),
+            min: min.unwrap_or(0),
+            max: max.unwrap_or(0),
+        };
+        // An empty table snapshots nothing: every row it will hold arrives incrementally.
+        let h0_max = KeyValue {
+            sql_type: first_key_type.to_string(),
+            value: max.map_or_else(|| i64::MIN.to_string(), |m| m.to_string()),
+        };
+        (domain, Some(h0_max))
+    };
+    let epoch = 1;
+    let incremental_start = Cursor::new(
+        epoch,
+        Position::Incremental {
+            t_micros: h0_time_micros - config.safety_delay.as_micros() as i64,
+            after_key: None,
+        },
+    );
+    let columns_json = serde_json::to_value(
+        columns
+            .iter()
+            .map(|c| (c.name.clone(), c.sql_type.clone()))
+            .collect::<Vec<_>>(),
+    )
+    .expect("columns serialize");
+    Ok(EpochPlan {
+        task: config.name.clone(),
+        epoch,
+        schema_id: schema_id.to_string(),
+        columns: columns_json,
+        h0_time_micros,
+        h0_max_key: h0_max_key.map(|k| serde_json::to_value(k).expect("key serializes")),
+        incremental_start,
+        ranges: plan_ranges(&domain, config.shards).iter().map(|r| r.encode()).collect(),
+    })
+}
+
+/// Creates the target table and the ledger when missing; an existing target table must carry
+/// the version column and every source column.
+async fn ensure_target(target: &PgPool, task: &str, sql: &TableSql, not_null: &[bool]) -> Result<(), CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    sqlx::query(LEDGER_DDL)
+        .execute(target)
+        .await
+        .map_err(|e| setup(format!("creating {}: {e}", tidemark_common::pg::LEDGER_TABLE)))?;
+    match introspect(target, task, "target", &sql.target).await? {
+        None => {
+            let ddl = sql.create_target_table(not_null);
+            sqlx::query(sqlx::AssertSqlSafe(ddl))
+                .execute(target)
+                .await
+                .map_err(|e| setup(format!("creating target table {}: {e}", sql.target)))?;
+            tracing::info!(task, table = %sql.target, "created target table");
+        }
+        Some(existing) => {
+            let has = |name: &str| existing.iter().any(|c| c.column.name == name);
+            if !has(VERSION_COLUMN) {
+                return Err(setup(format!(
+                    "target table {} exists but has no {VERSION_COLUMN} column; drop it or let Tidemark create it",
+                    sql.target
+                )));
+            }
+            if let Some(missing) = sql.columns.iter().find(|c| !has(&c.name)) {
+                return Err(setup(format!("target table {} has no column {:?}", sql.target, missing.name)));
+            }
+        }
+    }
+    Ok(())
+}

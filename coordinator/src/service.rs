@@ -1,0 +1,297 @@
+//! gRPC handlers. Each checks its input and hands off to the component that owns the state:
+//! `leases` (etcd) for liveness and ownership, `checkpoints` (control database) for progress.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tidemark_proto::v1 as pb;
+use tidemark_proto::v1::admin_service_server::AdminService;
+use tidemark_proto::v1::worker_service_server::WorkerService;
+use tonic::{Request, Response, Status};
+
+use crate::checkpoints::{CommitBatch, ControlDb, RegisterBatch, ShardKey, parse_request_cursor};
+use crate::error::CoordinatorError;
+use crate::leases::Leases;
+use crate::planner::PreparedTask;
+
+pub struct Coordinator {
+    pub control: ControlDb,
+    pub leases: Leases,
+    pub tasks: HashMap<String, PreparedTask>,
+    pub staging_url: String,
+}
+
+#[derive(Clone)]
+pub struct CoordinatorService {
+    inner: Arc<Coordinator>,
+}
+
+impl CoordinatorService {
+    pub fn new(coordinator: Coordinator) -> CoordinatorService {
+        CoordinatorService {
+            inner: Arc::new(coordinator),
+        }
+    }
+
+    fn task(&self, name: &str) -> Result<&PreparedTask, CoordinatorError> {
+        self.inner
+            .tasks
+            .get(name)
+            .ok_or_else(|| CoordinatorError::UnknownTask(name.to_string()))
+    }
+
+    fn task_spec(&self, task: &PreparedTask) -> pb::TaskSpec {
+        let config = &task.config;
+        pb::TaskSpec {
+            name: config.name.clone(),
+            source_url: config.source.clone(),
+            source_table: config.source_table.clone(),
+            target_url: config.target.clone(),
+            target_table: config.target_table.clone(),
+            key_columns: config.key.clone(),
+            cursor_column: config.cursor_column.clone(),
+            page_size: config.page_size,
+            safety_delay_ms: config.safety_delay.as_millis() as u64,
+            poll_interval_ms: config.poll_interval.as_millis() as u64,
+            columns: task
+                .columns
+                .iter()
+                .map(|c| pb::Column {
+                    name: c.name.clone(),
+                    sql_type: c.sql_type.clone(),
+                })
+                .collect(),
+            schema_id: task.epoch.schema_id.clone(),
+            staging_url: self.inner.staging_url.clone(),
+            lease_ttl_ms: self.inner.leases.ttl().as_millis() as u64,
+        }
+    }
+
+    async fn acquire(&self, worker_id: &str, lease_id: i64) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
+        let coordinator = &self.inner;
+        if !coordinator.leases.lease_alive(lease_id).await? {
+            return Err(CoordinatorError::LeaseExpired { lease_id });
+        }
+        let active: Vec<String> = coordinator
+            .tasks
+            .values()
+            .filter(|t| t.paused_reason.is_none())
+            .map(|t| t.config.name.clone())
+            .collect();
+        let candidates = coordinator.control.shard_candidates(&active).await?;
+        let owners = coordinator.leases.owners().await?;
+        for shard in candidates.into_iter().filter(|s| !owners.contains_key(s)) {
+            let Some(fence) = coordinator.leases.try_claim(&shard, worker_id, lease_id).await? else {
+                continue;
+            };
+            let Some(record) = coordinator.control.claim(&shard, fence, worker_id).await? else {
+                // Cannot happen while fences come from etcd revisions; give the key back.
+                tracing::error!(task = %shard.task, shard = shard.shard_id, fence, "fence did not increase; releasing");
+                coordinator.leases.release(&shard, fence).await?;
+                continue;
+            };
+            let pending = coordinator.control.pending_batch(&shard, &record.cursor).await?;
+            let task = self.task(&shard.task)?;
+            tracing::info!(
+                task = %shard.task, shard = shard.shard_id, worker = worker_id, fence,
+                cursor = %record.cursor.describe(), pending = pending.is_some(), "shard acquired"
+            );
+            return Ok(Some(pb::ShardAssignment {
+                task: Some(self.task_spec(task)),
+                epoch: shard.epoch,
+                shard_id: shard.shard_id,
+                range: record.range,
+                cursor: record.cursor.encode(),
+                checkpoint_version: record.version,
+                fence_token: record.fence,
+                pending: pending.map(|p| pb::PendingBatch {
+                    batch_id: p.batch_id,
+                    manifest_path: p.manifest_path,
+                }),
+                snapshot_max_key: task.epoch.h0_max_key.as_ref().map(|v| v.to_string()).unwrap_or_default(),
+                incremental_start: task.epoch.incremental_start.encode(),
+            }));
+        }
+        Ok(None)
+    }
+}
+
+fn shard_key(task: &str, epoch: u64, shard_id: u32) -> ShardKey {
+    ShardKey {
+        task: task.to_string(),
+        epoch,
+        shard_id,
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerService for CoordinatorService {
+    async fn register_worker(
+        &self,
+        request: Request<pb::RegisterWorkerRequest>,
+    ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
+        let request = request.into_inner();
+        if request.worker_id.is_empty() {
+            return Err(CoordinatorError::InvalidRequest("worker_id is empty".into()).into());
+        }
+        let lease_id = self.inner.leases.grant_worker_lease().await?;
+        let ttl = self.inner.leases.ttl();
+        tracing::info!(worker = %request.worker_id, lease_id, "worker registered");
+        Ok(Response::new(pb::RegisterWorkerResponse {
+            lease_id,
+            heartbeat_interval_ms: (ttl.as_millis() / 3) as u64,
+            lease_ttl_ms: ttl.as_millis() as u64,
+        }))
+    }
+
+    async fn heartbeat(&self, request: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let request = request.into_inner();
+        let lease_alive = self.inner.leases.keep_alive(request.lease_id).await?;
+        if !lease_alive {
+            tracing::warn!(worker = %request.worker_id, lease_id = request.lease_id, "heartbeat for an expired lease");
+        }
+        Ok(Response::new(pb::HeartbeatResponse { lease_alive }))
+    }
+
+    async fn acquire_shard(
+        &self,
+        request: Request<pb::AcquireShardRequest>,
+    ) -> Result<Response<pb::AcquireShardResponse>, Status> {
+        let request = request.into_inner();
+        let assignment = self.acquire(&request.worker_id, request.lease_id).await?;
+        Ok(Response::new(pb::AcquireShardResponse { assignment }))
+    }
+
+    async fn register_batch(
+        &self,
+        request: Request<pb::RegisterBatchRequest>,
+    ) -> Result<Response<pb::RegisterBatchResponse>, Status> {
+        let request = request.into_inner();
+        self.task(&request.task)?;
+        let shard = shard_key(&request.task, request.epoch, request.shard_id);
+        let lower = parse_request_cursor(&request.lower)?;
+        let upper = parse_request_cursor(&request.upper)?;
+        self.inner
+            .control
+            .register_batch(&RegisterBatch {
+                shard: &shard,
+                fence: request.fence_token,
+                batch_id: &request.batch_id,
+                lower: &lower,
+                upper: &upper,
+                row_count: request.row_count,
+                byte_size: request.byte_size,
+                content_hash: &request.content_hash,
+                manifest_path: &request.manifest_path,
+            })
+            .await?;
+        Ok(Response::new(pb::RegisterBatchResponse {}))
+    }
+
+    async fn commit_batch(
+        &self,
+        request: Request<pb::CommitBatchRequest>,
+    ) -> Result<Response<pb::CommitBatchResponse>, Status> {
+        let request = request.into_inner();
+        self.task(&request.task)?;
+        let shard = shard_key(&request.task, request.epoch, request.shard_id);
+        let lower = parse_request_cursor(&request.lower)?;
+        let upper = parse_request_cursor(&request.upper)?;
+        let result = self
+            .inner
+            .control
+            .commit_batch(&CommitBatch {
+                shard: &shard,
+                fence: request.fence_token,
+                expected_version: request.expected_version,
+                batch_id: &request.batch_id,
+                lower: &lower,
+                upper: &upper,
+                row_count: request.row_count,
+                empty: request.empty,
+                replayed: request.replayed,
+            })
+            .await;
+        match result {
+            Ok(new_version) => Ok(Response::new(pb::CommitBatchResponse { new_version })),
+            Err(error) => {
+                tracing::warn!(task = %shard.task, shard = shard.shard_id, worker = %request.worker_id, %error, "commit refused");
+                Err(error.into())
+            }
+        }
+    }
+
+    async fn release_shard(
+        &self,
+        request: Request<pb::ReleaseShardRequest>,
+    ) -> Result<Response<pb::ReleaseShardResponse>, Status> {
+        let request = request.into_inner();
+        let shard = shard_key(&request.task, request.epoch, request.shard_id);
+        self.inner.leases.release(&shard, request.fence_token).await?;
+        self.inner
+            .control
+            .release(&shard, request.fence_token, &request.worker_id)
+            .await?;
+        tracing::info!(task = %shard.task, shard = shard.shard_id, worker = %request.worker_id, "shard released");
+        Ok(Response::new(pb::ReleaseShardResponse {}))
+    }
+}
+
+#[tonic::async_trait]
+impl AdminService for CoordinatorService {
+    async fn status(&self, _request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
+        let rows = self.inner.control.status().await?;
+        let owners = self.inner.leases.owners().await?;
+        let tasks = rows
+            .into_iter()
+            .map(|task| {
+                let snapshot_complete = task.shards.iter().all(|s| s.cursor.is_incremental());
+                let watermark_micros = if snapshot_complete {
+                    task.shards.iter().filter_map(|s| s.cursor.incremental_time()).min()
+                } else {
+                    None
+                };
+                let phase = if task.paused_reason.is_some() {
+                    "paused"
+                } else if snapshot_complete {
+                    "incremental"
+                } else {
+                    "snapshot"
+                };
+                let shards: Vec<pb::ShardStatus> = task
+                    .shards
+                    .iter()
+                    .map(|shard| {
+                        let owner = owners.get(&shard_key(&task.name, task.epoch, shard.shard_id));
+                        pb::ShardStatus {
+                            id: shard.shard_id,
+                            range: shard.range.clone(),
+                            owner: owner.map(|(worker, _)| worker.clone()).unwrap_or_default(),
+                            phase: shard.phase.to_lowercase(),
+                            state: if task.paused_reason.is_some() {
+                                "paused".into()
+                            } else if owner.is_some() {
+                                "owned".into()
+                            } else {
+                                "unowned".into()
+                            },
+                            rows_applied: shard.rows_applied,
+                            cursor: shard.cursor.encode(),
+                        }
+                    })
+                    .collect();
+                pb::TaskStatus {
+                    name: task.name,
+                    epoch: task.epoch,
+                    phase: phase.into(),
+                    snapshot_complete,
+                    rows_applied: task.shards.iter().map(|s| s.rows_applied).sum(),
+                    watermark_micros,
+                    shards,
+                    paused_reason: task.paused_reason.unwrap_or_default(),
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::StatusResponse { tasks }))
+    }
+}

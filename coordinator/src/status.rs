@@ -1,0 +1,86 @@
+//! `tidemark-coordinator status`: the cluster's progress as JSON or as a readable table.
+
+use serde_json::json;
+use tidemark_common::cursor::{Cursor, ShardRange, format_micros};
+use tidemark_proto::v1 as pb;
+
+fn range_text(encoded: &str) -> String {
+    ShardRange::decode(encoded).map_or_else(|_| encoded.to_string(), |r| r.describe())
+}
+
+/// The documented `status --json` shape.
+pub fn to_json(status: &pb::StatusResponse) -> serde_json::Value {
+    let tasks: Vec<serde_json::Value> = status
+        .tasks
+        .iter()
+        .map(|task| {
+            let shards: Vec<serde_json::Value> = task
+                .shards
+                .iter()
+                .map(|shard| {
+                    let cursor: serde_json::Value = serde_json::from_str(&shard.cursor).unwrap_or(serde_json::Value::Null);
+                    json!({
+                        "id": shard.id,
+                        "range": range_text(&shard.range),
+                        "owner": if shard.owner.is_empty() { serde_json::Value::Null } else { json!(shard.owner) },
+                        "phase": shard.phase,
+                        "state": shard.state,
+                        "rows_applied": shard.rows_applied,
+                        "cursor": cursor,
+                    })
+                })
+                .collect();
+            let mut value = json!({
+                "name": task.name,
+                "epoch": task.epoch,
+                "phase": task.phase,
+                "snapshot_complete": task.snapshot_complete,
+                "rows_applied": task.rows_applied,
+                "watermark": task.watermark_micros.map(format_micros),
+                "shards": shards,
+            });
+            if !task.paused_reason.is_empty() {
+                value["paused_reason"] = json!(task.paused_reason);
+            }
+            value
+        })
+        .collect();
+    json!({ "tasks": tasks })
+}
+
+pub fn to_table(status: &pb::StatusResponse) -> String {
+    let mut out = String::new();
+    if status.tasks.is_empty() {
+        out.push_str("no tasks\n");
+    }
+    for task in &status.tasks {
+        out.push_str(&format!(
+            "task {}  epoch {}  phase {}  rows applied {}  watermark {}\n",
+            task.name,
+            task.epoch,
+            task.phase,
+            task.rows_applied,
+            task.watermark_micros.map_or_else(|| "-".to_string(), format_micros)
+        ));
+        if !task.paused_reason.is_empty() {
+            out.push_str(&format!("  paused: {}\n", task.paused_reason));
+        }
+        out.push_str(&format!(
+            "  {:>5}  {:<44}  {:<12}  {:<8}  {:>12}  {}\n",
+            "shard", "range", "owner", "phase", "rows", "cursor"
+        ));
+        for shard in &task.shards {
+            let cursor = Cursor::decode(&shard.cursor).map_or_else(|e| e.to_string(), |c| c.describe());
+            out.push_str(&format!(
+                "  {:>5}  {:<44}  {:<12}  {:<8}  {:>12}  {}\n",
+                shard.id,
+                range_text(&shard.range),
+                if shard.owner.is_empty() { "-" } else { &shard.owner },
+                shard.phase,
+                shard.rows_applied,
+                cursor
+            ));
+        }
+    }
+    out
+}

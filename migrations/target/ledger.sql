@@ -1,0 +1,12 @@
+-- Target-side ledger: one row per applied batch, written in the same transaction as the
+-- batch's rows, so "was this batch applied?" has one answer even after a crash.
+CREATE TABLE IF NOT EXISTS tidemark_ledger (
+    batch_id        text PRIMARY KEY,
+    task            text NOT NULL,
+    epoch           bigint NOT NULL,
+    shard_id        integer NOT NULL,
+    row_count       bigint NOT NULL,
+    content_hash    text NOT NULL,
+    fence           bigint NOT NULL,
+    applied_at      timestamptz NOT NULL DEFAULT now()
+)

@@ -1,0 +1,97 @@
+//! Applying a batch to the target: ONE transaction that copies the staged rows into a
+//! session-local table, upserts them guarded by version, and writes the ledger row. A batch
+//! already in the ledger is not applied again.
+
+use bytes::Bytes;
+use sqlx::Row;
+use sqlx::postgres::PgPool;
+use tidemark_common::batch::Manifest;
+use tidemark_common::pg::TableSql;
+
+use crate::error::WorkerError;
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum ApplyOutcome {
+    Applied,
+    /// The ledger already held this batch (a replay after a crash, or a concurrent owner).
+    AlreadyApplied,
+}
+
+pub async fn apply_batch(target: &PgPool, sql: &TableSql, manifest: &Manifest, data: &Bytes) -> Result<ApplyOutcome, WorkerError> {
+    match apply_once(target, sql, manifest, data).await {
+        Ok(outcome) => {
+            verify(target, manifest).await?;
+            Ok(outcome)
+        }
+        Err(error) => {
+            // The outcome of a failed COMMIT is unknown: the ledger is the one answer.
+            if verify(target, manifest).await.is_ok() {
+                tracing::warn!(batch_id = %manifest.batch_id, %error, "apply reported an error but the ledger holds the batch");
+                return Ok(ApplyOutcome::AlreadyApplied);
+            }
+            Err(error)
+        }
+    }
+}
+
+async fn apply_once(target: &PgPool, sql: &TableSql, manifest: &Manifest, data: &Bytes) -> Result<ApplyOutcome, WorkerError> {
+    let mut tx = target.begin().await?;
+    let applied = sqlx::query("SELECT 1 FROM tidemark_ledger WHERE batch_id = $1")
+        .bind(&manifest.batch_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    if applied.is_some() {
+        tx.rollback().await?;
+        return Ok(ApplyOutcome::AlreadyApplied);
+    }
+    sqlx::query(sqlx::AssertSqlSafe(sql.create_stage_table())).execute(&mut *tx).await?;
+    let mut copy = tx.copy_in_raw(&sql.copy_into_stage()).await?;
+    copy.send(data.as_ref()).await?;
+    let copied = copy.finish().await?;
+    if copied != manifest.row_count {
+        return Err(WorkerError::Data(format!(
+            "batch {}: copied {copied} rows, manifest says {}",
+            manifest.batch_id, manifest.row_count
+        )));
+    }
+    sqlx::query(sqlx::AssertSqlSafe(sql.upsert_from_stage())).execute(&mut *tx).await?;
+    let inserted = sqlx::query(
+        "INSERT INTO tidemark_ledger (batch_id, task, epoch, shard_id, row_count, content_hash, fence) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (batch_id) DO NOTHING",
+    )
+    .bind(&manifest.batch_id)
+    .bind(&manifest.task)
+    .bind(manifest.epoch as i64)
+    .bind(manifest.shard_id as i32)
+    .bind(manifest.row_count as i64)
+    .bind(&manifest.content_hash)
+    .bind(manifest.fence_token as i64)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if inserted == 0 {
+        // Another owner applied it concurrently; its transaction won.
+        tx.rollback().await?;
+        return Ok(ApplyOutcome::AlreadyApplied);
+    }
+    tx.commit().await?;
+    Ok(ApplyOutcome::Applied)
+}
+
+/// The ledger holds the batch with the manifest's row count and content.
+async fn verify(target: &PgPool, manifest: &Manifest) -> Result<(), WorkerError> {
+    let row = sqlx::query("SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = $1")
+        .bind(&manifest.batch_id)
+        .fetch_optional(target)
+        .await?
+        .ok_or_else(|| WorkerError::Verify(format!("batch {} is not in the ledger", manifest.batch_id)))?;
+    let row_count: i64 = row.get(0);
+    let content_hash: String = row.get(1);
+    if row_count as u64 != manifest.row_count || content_hash != manifest.content_hash {
+        return Err(WorkerError::Verify(format!(
+            "ledger has batch {} with {row_count} rows / {content_hash}, manifest says {} / {}",
+            manifest.batch_id, manifest.row_count, manifest.content_hash
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,34 @@
+//! The worker's errors. `Fenced` means another worker owns the shard now: drop it without
+//! touching anything. Everything else ends the shard's loop; the shard is released and work
+//! resumes from its committed checkpoint (and pending staged batch).
+
+use tidemark_common::staging::StagingError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("shard lost: {0}")]
+    Fenced(String),
+    #[error("coordinator: {0}")]
+    Coordinator(String),
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("staging: {0}")]
+    Staging(#[from] StagingError),
+    #[error("bad data: {0}")]
+    Data(String),
+    #[error("verification failed: {0}")]
+    Verify(String),
+    #[error("invalid assignment: {0}")]
+    Assignment(String),
+}
+
+impl From<tonic::Status> for WorkerError {
+    fn from(status: tonic::Status) -> WorkerError {
+        match status.code() {
+            tonic::Code::FailedPrecondition | tonic::Code::Aborted | tonic::Code::Unauthenticated => {
+                WorkerError::Fenced(status.message().to_string())
+            }
+            _ => WorkerError::Coordinator(format!("{:?}: {}", status.code(), status.message())),
+        }
+    }
+}

@@ -1,0 +1,10 @@
+//! The Tidemark worker: a stateless loop that acquires shards from the coordinator and moves
+//! their rows from source to target through immutable staged batches.
+
+pub mod apply;
+pub mod client;
+pub mod crash;
+pub mod error;
+pub mod pipeline;
+pub mod resources;
+pub mod source;

@@ -1,0 +1,243 @@
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use tidemark_proto::v1 as pb;
+use tidemark_worker::client::CoordinatorClient;
+use tidemark_worker::error::WorkerError;
+use tidemark_worker::pipeline::ShardRun;
+use tidemark_worker::resources::ResourceCache;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+#[derive(Parser)]
+#[command(name = "tidemark-worker", version, about = "Tidemark worker: pulls shards from the coordinator and syncs them")]
+struct Cli {
+    /// Coordinator gRPC address, e.g. http://127.0.0.1:7400.
+    #[arg(long, env = "TIDEMARK_COORDINATOR")]
+    coordinator: String,
+    /// Worker name; defaults to host name, process id and a random suffix.
+    #[arg(long, env = "TIDEMARK_WORKER_ID")]
+    id: Option<String>,
+    /// Most shards this worker works on at once.
+    #[arg(long, default_value_t = 4, env = "TIDEMARK_MAX_SHARDS")]
+    max_shards: u32,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tidemark_common::telemetry::init_logging();
+    if cli.max_shards == 0 {
+        eprintln!("error: --max-shards must be at least 1");
+        return ExitCode::from(2);
+    }
+    let worker_id = cli.id.clone().unwrap_or_else(default_worker_id);
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    match runtime.block_on(run(cli, worker_id)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "worker".into());
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..6];
+    format!("{}-{}-{suffix}", host.trim(), std::process::id())
+}
+
+/// What a shard loop reports when it ends.
+struct ShardEnded {
+    release: Option<pb::ReleaseShardRequest>,
+    result: Result<(), WorkerError>,
+}
+
+async fn run(cli: Cli, worker_id: String) -> Result<(), WorkerError> {
+    let client = CoordinatorClient::new(&cli.coordinator)?;
+    let resources = ResourceCache::default();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate.recv() => {}
+        }
+        tracing::info!("stop requested: finishing batches in flight, then releasing shards");
+        let _ = stop_tx.send(true);
+    });
+
+    while !*stop_rx.borrow() {
+        let registration = client
+            .register_worker(&worker_id)
+            .await
+            .map_err(|s| WorkerError::Coordinator(s.message().to_string()))?;
+        let lease_id = registration.lease_id;
+        tracing::info!(worker = %worker_id, lease_id, coordinator = %cli.coordinator, "registered");
+        let lease_lost = watch::channel(false);
+        let heartbeat = tokio::spawn(keep_lease(
+            client.clone(),
+            worker_id.clone(),
+            lease_id,
+            Duration::from_millis(registration.heartbeat_interval_ms.max(100)),
+            Duration::from_millis(registration.lease_ttl_ms),
+            lease_lost.0,
+        ));
+        run_lease(&cli, &worker_id, lease_id, &client, &resources, stop_rx.clone(), lease_lost.1).await;
+        heartbeat.abort();
+    }
+    tracing::info!(worker = %worker_id, "worker stopped");
+    Ok(())
+}
+
+/// Heartbeats until the lease is reported expired or cannot be renewed within its TTL.
+async fn keep_lease(
+    client: CoordinatorClient,
+    worker_id: String,
+    lease_id: i64,
+    interval: Duration,
+    ttl: Duration,
+    lost: watch::Sender<bool>,
+) {
+    let mut last_renewed = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(interval).await;
+        match client.heartbeat(&worker_id, lease_id).await {
+            Ok(true) => last_renewed = tokio::time::Instant::now(),
+            Ok(false) => {
+                tracing::warn!(lease_id, "lease expired; dropping all shards");
+                let _ = lost.send(true);
+                return;
+            }
+            Err(status) => {
+                tracing::warn!(lease_id, code = ?status.code(), message = status.message(), "heartbeat failed");
+                if last_renewed.elapsed() > ttl {
+                    tracing::warn!(lease_id, "lease not renewed within its TTL; dropping all shards");
+                    let _ = lost.send(true);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Works shards under one lease until it is lost or a stop is requested.
+async fn run_lease(
+    cli: &Cli,
+    worker_id: &str,
+    lease_id: i64,
+    client: &CoordinatorClient,
+    resources: &ResourceCache,
+    stop: watch::Receiver<bool>,
+    mut lease_lost: watch::Receiver<bool>,
+) {
+    let mut shards: JoinSet<ShardEnded> = JoinSet::new();
+    let mut idle_delay = Duration::from_millis(200);
+    loop {
+        if *stop.borrow() {
+            // Let every shard finish its batch in flight, then release them.
+            while let Some(ended) = shards.join_next().await {
+                if let Ok(ended) = ended {
+                    finish_shard(client, ended).await;
+                }
+            }
+            return;
+        }
+        let can_take = shards.len() < cli.max_shards as usize;
+        tokio::select! {
+            _ = lease_lost.changed() => {
+                shards.abort_all();
+                while shards.join_next().await.is_some() {}
+                return;
+            }
+            Some(ended) = shards.join_next(), if !shards.is_empty() => {
+                if let Ok(ended) = ended {
+                    let failed = ended.result.is_err();
+                    finish_shard(client, ended).await;
+                    if failed {
+                        idle_delay = Duration::from_secs(1);
+                    }
+                }
+            }
+            _ = tokio::time::sleep(idle_delay), if can_take => {
+                match client.acquire_shard(worker_id, lease_id).await {
+                    Ok(Some(assignment)) => {
+                        idle_delay = Duration::from_millis(50);
+                        spawn_shard(&mut shards, worker_id, client, resources, cli.max_shards, assignment, stop.clone()).await;
+                    }
+                    Ok(None) => idle_delay = Duration::from_secs(1),
+                    Err(WorkerError::Fenced(message)) => {
+                        tracing::warn!(%message, "lease refused; registering again");
+                        shards.abort_all();
+                        while shards.join_next().await.is_some() {}
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "acquire failed");
+                        idle_delay = Duration::from_secs(1);
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn spawn_shard(
+    shards: &mut JoinSet<ShardEnded>,
+    worker_id: &str,
+    client: &CoordinatorClient,
+    resources: &ResourceCache,
+    max_shards: u32,
+    assignment: pb::ShardAssignment,
+    stop: watch::Receiver<bool>,
+) {
+    let release = pb::ReleaseShardRequest {
+        worker_id: worker_id.to_string(),
+        task: assignment.task.as_ref().map(|t| t.name.clone()).unwrap_or_default(),
+        epoch: assignment.epoch,
+        shard_id: assignment.shard_id,
+        fence_token: assignment.fence_token,
+    };
+    let prepared = match assignment.task.as_ref() {
+        Some(spec) => match resources.for_task(spec, max_shards).await {
+            Ok(task_resources) => ShardRun::from_assignment(worker_id, &assignment, task_resources),
+            Err(error) => Err(error),
+        },
+        None => Err(WorkerError::Assignment("assignment without task".into())),
+    };
+    let client = client.clone();
+    shards.spawn(async move {
+        let mut run = match prepared {
+            Ok(run) => run,
+            Err(error) => {
+                return ShardEnded {
+                    release: Some(release),
+                    result: Err(error),
+                };
+            }
+        };
+        tracing::info!(task = %run.task.name, shard = run.shard_id, fence = run.fence, cursor = %run.cursor.describe(), "working on shard");
+        let result = run.run(&client, assignment.pending, stop).await;
+        let release = match &result {
+            // The shard is someone else's now; touching it, even to release, is not ours to do.
+            Err(WorkerError::Fenced(_)) => None,
+            _ => Some(release),
+        };
+        ShardEnded { release, result }
+    });
+}
+
+async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) {
+    if let Some(release) = &ended.release {
+        match &ended.result {
+            Ok(()) => tracing::info!(task = %release.task, shard = release.shard_id, "shard stopped"),
+            Err(error) => tracing::warn!(task = %release.task, shard = release.shard_id, %error, "shard ended with an error; releasing it"),
+        }
+        if let Err(error) = client.release_shard(release.clone()).await {
+            tracing::warn!(task = %release.task, shard = release.shard_id, %error, "release failed; the lease will expire instead");
+        }
+    } else if let Err(error) = &ended.result {
+        tracing::warn!(%error, "shard dropped");
+    }
+}
