@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Idempotent machine setup for Tidemark's demo and tests on a fresh Debian machine:
+# installs etcd and protoc (etcd-client's build needs it) from Debian's packages when missing,
+# and starts the local PostgreSQL when it is not running.
+set -euo pipefail
+
+need=()
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+[ -f /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
+command -v psql >/dev/null 2>&1 || need+=(postgresql-client)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
+  echo "setup: starting PostgreSQL"
+  if command -v pg_ctlcluster >/dev/null 2>&1; then
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
+  fi
+  for _ in $(seq 1 30); do
+    pg_isready -h 127.0.0.1 -p 5432 -q && break
+    sleep 1
+  done
+  pg_isready -h 127.0.0.1 -p 5432 || { echo "setup: PostgreSQL did not start on 127.0.0.1:5432" >&2; exit 1; }
+fi
