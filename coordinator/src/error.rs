@@ -27,10 +27,23 @@ pub enum CoordinatorError {
     InvalidRequest(String),
     #[error("task {task}: {message}")]
     TaskSetup { task: String, message: String },
+    // Not `#[from]`: that would also make the error its source and print it twice.
     #[error("control database: {0}")]
-    ControlDb(#[from] sqlx::Error),
+    ControlDb(sqlx::Error),
     #[error("etcd: {0}")]
-    Etcd(#[from] etcd_client::Error),
+    Etcd(etcd_client::Error),
+}
+
+impl From<sqlx::Error> for CoordinatorError {
+    fn from(error: sqlx::Error) -> CoordinatorError {
+        CoordinatorError::ControlDb(error)
+    }
+}
+
+impl From<etcd_client::Error> for CoordinatorError {
+    fn from(error: etcd_client::Error) -> CoordinatorError {
+        CoordinatorError::Etcd(error)
+    }
 }
 
 impl CoordinatorError {

@@ -81,6 +81,12 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         .notify(|error, delay| tracing::warn!(%error, ?delay, "control database unreachable; retrying"))
         .await
         .with_context(|| format!("control database {}", redact_url(&settings.control_db)))?;
+    // Bad tasks (missing tables, nullable keys, …) fail before anything else is contacted.
+    let mut tasks = std::collections::HashMap::new();
+    for task in &config.tasks {
+        let prepared = prepare_task(&control, task).await?;
+        tasks.insert(task.name.clone(), prepared);
+    }
     let leases = (|| Leases::connect(&settings.etcd_endpoints, &settings.etcd_prefix, settings.lease_ttl))
         .retry(retry)
         .when(is_transient)
@@ -95,11 +101,6 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("etcd {}", settings.etcd_endpoints.join(",")))?;
 
-    let mut tasks = std::collections::HashMap::new();
-    for task in &config.tasks {
-        let prepared = prepare_task(&control, task).await?;
-        tasks.insert(task.name.clone(), prepared);
-    }
     let service = CoordinatorService::new(Coordinator {
         control,
         leases,

@@ -68,7 +68,8 @@ async fn introspect(pool: &PgPool, task: &str, role: &str, table: &TableName) ->
     )
     .bind(table.quoted())
     .fetch_all(pool)
-    .await?;
+    .await
+    .map_err(|e| CoordinatorError::task_setup(task, format!("{role} table {table}: {e}")))?;
     Ok(Some(
         rows.into_iter()
             .map(|row| SourceColumn {
@@ -92,7 +93,8 @@ async fn key_is_unique(pool: &PgPool, table: &TableName, key: &[String]) -> Resu
     )
     .bind(table.quoted())
     .fetch_all(pool)
-    .await?;
+    .await
+    .map_err(|e| CoordinatorError::InvalidRequest(format!("reading the unique indexes of {table}: {e}")))?;
     let mut wanted = key.to_vec();
     wanted.sort();
     Ok(indexes.into_iter().any(|mut columns| {
@@ -233,11 +235,20 @@ async fn plan_epoch(
     schema_id: &str,
 ) -> Result<EpochPlan, CoordinatorError> {
     let first_key = quote_ident(&config.key[0]);
+    // uuid keys split by prefix and need no bounds (and PostgreSQL has no min(uuid)).
+    let bounds = if first_key_type == "uuid" {
+        "NULL::text, NULL::text".to_string()
+    } else {
+        format!("min({first_key})::text, max({first_key})::text")
+    };
     let query = format!(
-        "SELECT (extract(epoch from now()) * 1000000)::bigint, min({first_key})::text, max({first_key})::text FROM {}",
+        "SELECT (extract(epoch from now()) * 1000000)::bigint, {bounds} FROM {}",
         table.quoted()
     );
-    let row = sqlx::query(sqlx::AssertSqlSafe(query)).fetch_one(source).await?;
+    let row = sqlx::query(sqlx::AssertSqlSafe(query))
+        .fetch_one(source)
+        .await
+        .map_err(|e| CoordinatorError::task_setup(&config.name, format!("reading the start bound from {table}: {e}")))?;
     let h0_time_micros: i64 = row.get(0);
     let (domain, h0_max_key) = if first_key_type == "uuid" {
         (KeyDomain::Uuid, None)

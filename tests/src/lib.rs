@@ -1,0 +1,555 @@
+//! Integration harness: real PostgreSQL databases (unique names, dropped afterwards), a real
+//! etcd process per test, and the real `tidemark-coordinator` / `tidemark-worker` binaries
+//! talking gRPC over loopback. The oracle compares source and target per key.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use sqlx::Row;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tidemark_proto::v1 as pb;
+use tidemark_proto::v1::admin_service_client::AdminServiceClient;
+
+pub fn pg_base_url() -> String {
+    std::env::var("TIDEMARK_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+pub fn unique_name(tag: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+    let salt = &uuid::Uuid::new_v4().simple().to_string()[..6];
+    format!("tm_{tag}_{}_{n}_{salt}", std::process::id())
+}
+
+/// A scratch directory removed on drop (kept when `TIDEMARK_KEEP_TEST_DIRS` is set).
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(unique_name(tag));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::env::var_os("TIDEMARK_KEEP_TEST_DIRS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// A database of its own for one test, dropped (with FORCE) when the test ends.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub pool: PgPool,
+}
+
+impl TestDb {
+    pub async fn create(tag: &str) -> TestDb {
+        let name = unique_name(tag);
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&format!("{}/postgres", pg_base_url()))
+            .await
+            .expect("PostgreSQL at TIDEMARK_TEST_PG (default 127.0.0.1:5432) must be running");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        admin.close().await;
+        let url = format!("{}/{name}", pg_base_url());
+        let pool = PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
+        TestDb { name, url, pool }
+    }
+
+    pub async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
+            .execute(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let _ = Command::new("psql")
+            .args(["-X", "-q", "-d", &format!("{}/postgres", pg_base_url()), "-c"])
+            .arg(format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// A single-node etcd on free loopback ports, killed on drop.
+pub struct Etcd {
+    pub endpoint: String,
+    child: Child,
+    _dir: TempDir,
+}
+
+impl Etcd {
+    pub fn start() -> Etcd {
+        let dir = TempDir::new("etcd");
+        let client = free_port();
+        let peer = free_port();
+        let log = std::fs::File::create(dir.0.join("etcd.log")).unwrap();
+        let child = Command::new("etcd")
+            .args(["--name", "t", "--data-dir"])
+            .arg(dir.0.join("data"))
+            .args(["--listen-client-urls", &format!("http://127.0.0.1:{client}")])
+            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{client}")])
+            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args(["--initial-cluster", &format!("t=http://127.0.0.1:{peer}")])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("etcd must be installed (scripts/setup.sh installs it)");
+        let endpoint = format!("http://127.0.0.1:{client}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+            assert!(Instant::now() < deadline, "etcd did not listen on {endpoint}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Etcd {
+            endpoint,
+            child,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The directory holding the workspace's binaries (built by `cargo build --bins`).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let path = dir.join(name);
+    assert!(path.exists(), "{} is missing: run `cargo build --bins` before the tests", path.display());
+    path
+}
+
+/// A spawned binary whose output goes to a log file; SIGKILLed on drop.
+pub struct Process {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Process {
+    pub fn spawn(name: &str, program: &Path, args: &[&str], env: &[(&str, &str)], dir: &Path) -> Process {
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let mut command = Command::new(program);
+        command
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(file.try_clone().unwrap())
+            .stderr(file);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let child = command.spawn().unwrap();
+        Process {
+            name: name.to_string(),
+            child,
+            log,
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn signal(&self, signal: &str) {
+        Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+    }
+
+    /// Waits for the process to exit by itself.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            let text = self.log_text();
+            let tail: Vec<&str> = text.lines().rev().take(40).collect();
+            eprintln!("---- last lines of {} ----", self.name);
+            for line in tail.into_iter().rev() {
+                eprintln!("{line}");
+            }
+        }
+    }
+}
+
+/// Settings of the one task a test cluster runs.
+#[derive(Clone)]
+pub struct TaskSettings {
+    pub source_table: String,
+    pub key: Vec<String>,
+    pub cursor_column: String,
+    pub shards: u32,
+    pub page_size: u32,
+    pub safety_delay: &'static str,
+    pub poll_interval: &'static str,
+    pub lease_ttl: &'static str,
+}
+
+impl Default for TaskSettings {
+    fn default() -> TaskSettings {
+        TaskSettings {
+            source_table: "public.items".into(),
+            key: vec!["id".into()],
+            cursor_column: "updated_at".into(),
+            shards: 8,
+            page_size: 5000,
+            safety_delay: "1s",
+            poll_interval: "200ms",
+            lease_ttl: "4s",
+        }
+    }
+}
+
+/// Source, target and control databases, etcd, a coordinator and any number of workers.
+pub struct Cluster {
+    pub source: TestDb,
+    pub target: TestDb,
+    pub control: TestDb,
+    pub etcd: Etcd,
+    pub dir: TempDir,
+    pub address: String,
+    pub config_path: PathBuf,
+    pub coordinator: Option<Process>,
+    pub workers: Vec<Process>,
+}
+
+impl Cluster {
+    /// Creates the databases and etcd; the caller fills the source before `start`.
+    pub async fn new(tag: &str) -> Cluster {
+        Cluster {
+            source: TestDb::create(&format!("{tag}_src")).await,
+            target: TestDb::create(&format!("{tag}_dst")).await,
+            control: TestDb::create(&format!("{tag}_ctl")).await,
+            etcd: Etcd::start(),
+            dir: TempDir::new(tag),
+            address: String::new(),
+            config_path: PathBuf::new(),
+            coordinator: None,
+            workers: Vec::new(),
+        }
+    }
+
+    pub fn write_config(&mut self, task: &TaskSettings) -> PathBuf {
+        let port = free_port();
+        self.address = format!("http://127.0.0.1:{port}");
+        let key = task.key.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", ");
+        let config = format!(
+            r#"[coordinator]
+listen = "127.0.0.1:{port}"
+etcd_endpoints = ["{etcd}"]
+control_db = "{control}"
+staging = "file://{staging}"
+lease_ttl = "{ttl}"
+
+[[tasks]]
+name = "items"
+source = "{source}"
+source_table = "{source_table}"
+target = "{target}"
+target_table = "public.items"
+key = [{key}]
+cursor_column = "{cursor}"
+shards = {shards}
+page_size = {page_size}
+safety_delay = "{safety}"
+poll_interval = "{poll}"
+"#,
+            etcd = self.etcd.endpoint,
+            control = self.control.url,
+            staging = self.dir.0.join("staging").display(),
+            ttl = task.lease_ttl,
+            source = self.source.url,
+            source_table = task.source_table,
+            target = self.target.url,
+            cursor = task.cursor_column,
+            shards = task.shards,
+            page_size = task.page_size,
+            safety = task.safety_delay,
+            poll = task.poll_interval,
+        );
+        self.config_path = self.dir.0.join("tidemark.toml");
+        std::fs::write(&self.config_path, config).unwrap();
+        self.config_path.clone()
+    }
+
+    pub async fn start(&mut self, task: &TaskSettings) {
+        let config = self.write_config(task);
+        let coordinator = Process::spawn(
+            "coordinator",
+            &binary("tidemark-coordinator"),
+            &["serve", "--config", config.to_str().unwrap()],
+            &[],
+            &self.dir.0,
+        );
+        self.coordinator = Some(coordinator);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if self.try_status().await.is_some() {
+                return;
+            }
+            if let Some(status) = self.coordinator.as_mut().unwrap().child.try_wait().unwrap() {
+                panic!("coordinator exited with {status}: {}", self.coordinator.as_ref().unwrap().log_text());
+            }
+            assert!(Instant::now() < deadline, "coordinator did not answer within 60 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn spawn_worker(&mut self, id: &str, max_shards: u32, env: &[(&str, &str)]) -> usize {
+        let max = max_shards.to_string();
+        let worker = Process::spawn(
+            id,
+            &binary("tidemark-worker"),
+            &["--coordinator", &self.address, "--id", id, "--max-shards", &max],
+            env,
+            &self.dir.0,
+        );
+        self.workers.push(worker);
+        self.workers.len() - 1
+    }
+
+    pub async fn try_status(&self) -> Option<pb::StatusResponse> {
+        let mut client = AdminServiceClient::connect(self.address.clone()).await.ok()?;
+        Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
+    }
+
+    pub async fn task_status(&self) -> pb::TaskStatus {
+        let status = self.try_status().await.expect("coordinator answers status");
+        status.tasks.into_iter().next().expect("one task")
+    }
+
+    /// Polls status until `done` holds; panics with the last status after `timeout`.
+    pub async fn wait_for(&self, what: &str, timeout: Duration, done: impl Fn(&pb::TaskStatus) -> bool) -> pb::TaskStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.try_status().await
+                && let Some(task) = status.tasks.into_iter().next()
+            {
+                if done(&task) {
+                    return task;
+                }
+                if Instant::now() > deadline {
+                    panic!("timed out after {timeout:?} waiting for {what}; last status: {task:?}");
+                }
+            } else if Instant::now() > deadline {
+                panic!("timed out after {timeout:?} waiting for {what}; coordinator not answering");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Source clock now, in microseconds (the watermark is in source time).
+    pub async fn source_now_micros(&self) -> i64 {
+        sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
+            .fetch_one(&self.source.pool)
+            .await
+            .unwrap()
+    }
+
+    /// Waits until every shard's committed cursor is past `t_micros`: every change that
+    /// committed in the source before then is in the target.
+    pub async fn wait_for_watermark(&self, t_micros: i64, timeout: Duration) -> pb::TaskStatus {
+        self.wait_for(&format!("watermark past {t_micros}"), timeout, |t| {
+            t.watermark_micros.is_some_and(|w| w > t_micros)
+        })
+        .await
+    }
+}
+
+/// One key's state on one side: every column as text, and the source version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyState {
+    pub row: String,
+    pub version: i64,
+}
+
+/// Per-key differences between the expected target (derived from the source) and the target.
+#[derive(Debug, Default)]
+pub struct Diff {
+    pub keys: usize,
+    pub lost: Vec<String>,
+    pub stale: Vec<(String, KeyState, KeyState)>,
+    pub phantom: Vec<String>,
+}
+
+impl Diff {
+    pub fn assert_clean(&self, context: &str) {
+        assert!(
+            self.lost.is_empty() && self.stale.is_empty() && self.phantom.is_empty(),
+            "{context}: {} keys; {} lost (e.g. {:?}), {} stale (e.g. {:?}), {} phantom (e.g. {:?})",
+            self.keys,
+            self.lost.len(),
+            self.lost.iter().take(3).collect::<Vec<_>>(),
+            self.stale.len(),
+            self.stale.iter().take(2).collect::<Vec<_>>(),
+            self.phantom.len(),
+            self.phantom.iter().take(3).collect::<Vec<_>>(),
+        );
+    }
+}
+
+async fn key_states(pool: &PgPool, key: &[&str], columns: &[&str], version_expr: &str) -> BTreeMap<String, KeyState> {
+    let key_expr = format!("json_build_array({})::text", key.join(", "));
+    let row_expr = format!("json_build_array({})::text", columns.join(", "));
+    let sql = format!("SELECT {key_expr}, {row_expr}, {version_expr} FROM items");
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| {
+            (
+                row.get::<String, _>(0),
+                KeyState {
+                    row: row.get(1),
+                    version: row.get(2),
+                },
+            )
+        })
+        .collect()
+}
+
+/// Expected(Source, boundary = everything committed before the watermark, deletes = none):
+/// every source key present in the target with every column equal and version = the cursor
+/// time in microseconds; no other keys in the target.
+pub async fn compare(source: &PgPool, target: &PgPool, key: &[&str], columns: &[&str], cursor: &str) -> Diff {
+    let expected = key_states(source, key, columns, &format!("(extract(epoch from {cursor}) * 1000000)::bigint")).await;
+    let actual = key_states(target, key, columns, "_tidemark_version").await;
+    let mut diff = Diff {
+        keys: expected.len(),
+        ..Diff::default()
+    };
+    for (key, want) in &expected {
+        match actual.get(key) {
+            None => diff.lost.push(key.clone()),
+            Some(have) if have != want => diff.stale.push((key.clone(), want.clone(), have.clone())),
+            Some(_) => {}
+        }
+    }
+    diff.phantom = actual.keys().filter(|k| !expected.contains_key(*k)).cloned().collect();
+    diff
+}
+
+/// The first key column of the `items` fixture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyKind {
+    Bigint,
+    Uuid,
+}
+
+/// Columns compared per key (every column of the fixture).
+pub const ITEM_COLUMNS: &[&str] = &["id", "seq", "name", "qty", "price", "payload", "note", "updated_at"];
+
+/// Creates `items` with `rows` rows: text with tabs, newlines, backslashes, quotes and
+/// non-ASCII; NULLs; numerics; jsonb; cursor times spread over the last hour with ties.
+pub async fn create_items(db: &TestDb, key: KeyKind, rows: i64) {
+    let id_type = match key {
+        KeyKind::Bigint => "bigint PRIMARY KEY",
+        KeyKind::Uuid => "uuid PRIMARY KEY DEFAULT gen_random_uuid()",
+    };
+    db.exec(&format!(
+        "CREATE TABLE items (
+            id {id_type},
+            seq bigint NOT NULL UNIQUE,
+            name text NOT NULL,
+            qty integer,
+            price numeric(12,2),
+            payload jsonb,
+            note text,
+            updated_at timestamptz(3) NOT NULL
+        );
+        CREATE INDEX items_cursor ON items (updated_at, id);"
+    ))
+    .await;
+    insert_items(db, key, 1, rows, "now() - interval '1 hour' + (g % 3600) * interval '1 second'").await;
+}
+
+/// Inserts rows with `seq` in `[first, first + count)`; `updated_at` is the given SQL over `g`.
+pub async fn insert_items(db: &TestDb, key: KeyKind, first: i64, count: i64, updated_at: &str) {
+    let id = match key {
+        KeyKind::Bigint => "g",
+        KeyKind::Uuid => "gen_random_uuid()",
+    };
+    let last = first + count - 1;
+    db.exec(&format!(
+        "INSERT INTO items (id, seq, name, qty, price, payload, note, updated_at)
+         SELECT {id}, g,
+                CASE WHEN g % 997 = 0 THEN E'tab\\there\\nnew line \\\\ back ''quote'' \u{fc}n\u{ef}c\u{f6}de ' || g ELSE 'item ' || g END,
+                CASE WHEN g % 7 = 0 THEN NULL ELSE (g % 1000)::int END,
+                (g % 100000) / 100.0,
+                CASE WHEN g % 5 = 0 THEN NULL ELSE jsonb_build_object('g', g, 'tags', jsonb_build_array('x', g % 3)) END,
+                CASE WHEN g % 3 = 0 THEN NULL ELSE repeat('n', (g % 40)::int) END,
+                {updated_at}
+         FROM generate_series({first}, {last}) g"
+    ))
+    .await;
+}
+
+/// A live writer: `rounds` rounds of 250 updates (spread over every shard) and 250 inserts,
+/// each statement its own transaction. Returns the source time after the last commit.
+pub async fn write_changes(db: &TestDb, key: KeyKind, existing_rows: i64, rounds: i64) -> i64 {
+    let stride = (existing_rows / (rounds * 250)).max(1);
+    for round in 0..rounds {
+        let from = round * 250;
+        db.exec(&format!(
+            "UPDATE items SET name = name || ' ~r{round}', qty = coalesce(qty, 0) + 1, updated_at = clock_timestamp()
+             WHERE seq IN (SELECT 1 + {stride} * j FROM generate_series({from}, {from} + 249) j)"
+        ))
+        .await;
+        insert_items(db, key, existing_rows + from + 1, 250, "clock_timestamp()").await;
+    }
+    sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
