@@ -12,7 +12,13 @@ use crate::cursor::Cursor;
 /// Deterministic batch id: the first 128 bits of SHA-256 over the batch's identity.
 pub fn batch_id(task: &str, epoch: u64, shard_id: u32, lower: &Cursor, upper: &Cursor) -> String {
     let mut hasher = Sha256::new();
-    for part in [task, &epoch.to_string(), &shard_id.to_string(), &lower.encode(), &upper.encode()] {
+    for part in [
+        task,
+        &epoch.to_string(),
+        &shard_id.to_string(),
+        &lower.encode(),
+        &upper.encode(),
+    ] {
         hasher.update(part.as_bytes());
         hasher.update([0u8]);
     }

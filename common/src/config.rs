@@ -15,11 +15,22 @@ use crate::duration::serde_human;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("config error in {path}: environment variable {name} (line {line}) is not set")]
-    MissingEnv { path: String, name: String, line: usize },
+    MissingEnv {
+        path: String,
+        name: String,
+        line: usize,
+    },
     #[error("config error in {path} at line {line}: {message}")]
-    Parse { path: String, line: usize, message: String },
+    Parse {
+        path: String,
+        line: usize,
+        message: String,
+    },
     #[error("config error in {path}: {message}")]
     Invalid { path: String, message: String },
 }
@@ -125,10 +136,12 @@ impl Config {
             path: path.to_string(),
             message,
         };
-        self.coordinator
-            .listen
-            .parse::<SocketAddr>()
-            .map_err(|_| invalid(format!("coordinator.listen {:?} is not HOST:PORT", self.coordinator.listen)))?;
+        self.coordinator.listen.parse::<SocketAddr>().map_err(|_| {
+            invalid(format!(
+                "coordinator.listen {:?} is not HOST:PORT",
+                self.coordinator.listen
+            ))
+        })?;
         if self.coordinator.etcd_endpoints.is_empty() {
             return Err(invalid("coordinator.etcd_endpoints is empty".into()));
         }
@@ -138,7 +151,11 @@ impl Config {
         let mut names = HashSet::new();
         for task in &self.tasks {
             let name = &task.name;
-            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
                 return Err(invalid(format!(
                     "task name {name:?} must be non-empty and use only letters, digits, '_' and '-'"
                 )));
@@ -147,16 +164,24 @@ impl Config {
                 return Err(invalid(format!("task {name:?} is defined twice")));
             }
             if task.key.is_empty() {
-                return Err(invalid(format!("task {name}: key must name at least one column")));
+                return Err(invalid(format!(
+                    "task {name}: key must name at least one column"
+                )));
             }
             if task.shards == 0 || task.shards > 4096 {
-                return Err(invalid(format!("task {name}: shards must be between 1 and 4096")));
+                return Err(invalid(format!(
+                    "task {name}: shards must be between 1 and 4096"
+                )));
             }
             if task.page_size == 0 {
-                return Err(invalid(format!("task {name}: page_size must be at least 1")));
+                return Err(invalid(format!(
+                    "task {name}: page_size must be at least 1"
+                )));
             }
             if task.poll_interval.is_zero() {
-                return Err(invalid(format!("task {name}: poll_interval must be positive")));
+                return Err(invalid(format!(
+                    "task {name}: poll_interval must be positive"
+                )));
             }
         }
         Ok(())
@@ -226,7 +251,10 @@ cursor_column = "updated_at"
     #[test]
     fn defaults_and_env_interpolation() {
         let config = Config::parse(MINIMAL, "t.toml", env).unwrap();
-        assert_eq!(config.coordinator.control_db, "postgres://postgres:hunter2@127.0.0.1:5432/tidemark");
+        assert_eq!(
+            config.coordinator.control_db,
+            "postgres://postgres:hunter2@127.0.0.1:5432/tidemark"
+        );
         assert_eq!(config.coordinator.lease_ttl, Duration::from_secs(10));
         let task = &config.tasks[0];
         assert_eq!((task.shards, task.page_size), (8, 5000));
@@ -243,13 +271,18 @@ cursor_column = "updated_at"
 
     #[test]
     fn missing_env_var_is_named() {
-        let err = Config::parse(MINIMAL, "t.toml", |_| None).unwrap_err().to_string();
+        let err = Config::parse(MINIMAL, "t.toml", |_| None)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("PGPASS"), "{err}");
     }
 
     #[test]
     fn bad_duration_is_named() {
-        let text = MINIMAL.replace("cursor_column = \"updated_at\"", "cursor_column = \"updated_at\"\nsafety_delay = \"5\"");
+        let text = MINIMAL.replace(
+            "cursor_column = \"updated_at\"",
+            "cursor_column = \"updated_at\"\nsafety_delay = \"5\"",
+        );
         let err = Config::parse(&text, "t.toml", env).unwrap_err().to_string();
         assert!(err.contains("no unit"), "{err}");
     }

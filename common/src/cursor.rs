@@ -15,7 +15,9 @@ pub const CURSOR_ENCODING_VERSION: u32 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CursorError {
-    #[error("cursor encoding version {0} is not supported (this build reads version {CURSOR_ENCODING_VERSION})")]
+    #[error(
+        "cursor encoding version {0} is not supported (this build reads version {CURSOR_ENCODING_VERSION})"
+    )]
     UnsupportedVersion(u32),
     #[error("malformed cursor {text:?}: {message}")]
     Malformed { text: String, message: String },
@@ -72,7 +74,8 @@ impl Cursor {
             text: text.to_string(),
             message,
         };
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
         let version = value
             .get("encoding_version")
             .and_then(|v| v.as_u64())
@@ -99,12 +102,23 @@ impl Cursor {
     pub fn describe(&self) -> String {
         let keys = |key: &Option<Vec<KeyValue>>| match key {
             None => "start".to_string(),
-            Some(values) => values.iter().map(|v| v.value.as_str()).collect::<Vec<_>>().join(","),
+            Some(values) => values
+                .iter()
+                .map(|v| v.value.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
         };
         match &self.position {
             Position::Snapshot { after_key } => format!("snapshot after {}", keys(after_key)),
-            Position::Incremental { t_micros, after_key } => {
-                format!("incremental {} / {}", format_micros(*t_micros), keys(after_key))
+            Position::Incremental {
+                t_micros,
+                after_key,
+            } => {
+                format!(
+                    "incremental {} / {}",
+                    format_micros(*t_micros),
+                    keys(after_key)
+                )
             }
         }
     }
@@ -208,7 +222,11 @@ pub fn plan_ranges(key_type: &KeyDomain, shards: u32) -> Vec<ShardRange> {
 /// What the planner knows of the first key column.
 #[derive(Debug, Clone)]
 pub enum KeyDomain {
-    Integer { sql_type: String, min: i64, max: i64 },
+    Integer {
+        sql_type: String,
+        min: i64,
+        max: i64,
+    },
     Uuid,
 }
 
@@ -222,18 +240,31 @@ mod tests {
             3,
             Position::Incremental {
                 t_micros: 1_700_000_000_123_456,
-                after_key: Some(vec![KeyValue { sql_type: "bigint".into(), value: "42".into() }]),
+                after_key: Some(vec![KeyValue {
+                    sql_type: "bigint".into(),
+                    value: "42".into(),
+                }]),
             },
         );
         let text = cursor.encode();
         assert_eq!(Cursor::decode(&text).unwrap(), cursor);
         let future = text.replace("\"encoding_version\":1", "\"encoding_version\":9");
-        assert!(matches!(Cursor::decode(&future), Err(CursorError::UnsupportedVersion(9))));
+        assert!(matches!(
+            Cursor::decode(&future),
+            Err(CursorError::UnsupportedVersion(9))
+        ));
     }
 
     #[test]
     fn integer_ranges_cover_everything_once() {
-        let ranges = plan_ranges(&KeyDomain::Integer { sql_type: "bigint".into(), min: 1, max: 200_000 }, 8);
+        let ranges = plan_ranges(
+            &KeyDomain::Integer {
+                sql_type: "bigint".into(),
+                min: 1,
+                max: 200_000,
+            },
+            8,
+        );
         assert_eq!(ranges.len(), 8);
         assert_eq!(ranges[0].lo, None);
         assert_eq!(ranges[7].hi, None);
@@ -246,7 +277,11 @@ mod tests {
     #[test]
     fn uuid_ranges_are_ordered_prefixes() {
         let ranges = plan_ranges(&KeyDomain::Uuid, 4);
-        let bounds: Vec<_> = ranges.iter().filter_map(|r| r.hi.clone()).map(|v| v.value).collect();
+        let bounds: Vec<_> = ranges
+            .iter()
+            .filter_map(|r| r.hi.clone())
+            .map(|v| v.value)
+            .collect();
         assert_eq!(bounds.len(), 3);
         assert!(bounds[0].starts_with("3fffffff") && bounds[1].starts_with("7fffffff"));
         let mut sorted = bounds.clone();
@@ -257,7 +292,10 @@ mod tests {
     #[test]
     fn formats_rfc3339_millis() {
         assert_eq!(format_micros(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(format_micros(1_700_000_000_123_456), "2023-11-14T22:13:20.123Z");
+        assert_eq!(
+            format_micros(1_700_000_000_123_456),
+            "2023-11-14T22:13:20.123Z"
+        );
         assert_eq!(format_micros(-1_000), "1969-12-31T23:59:59.999Z");
     }
 }

@@ -18,7 +18,11 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "m" => 60_000,
         "h" => 3_600_000,
         "d" => 86_400_000,
-        other => return Err(format!("duration {text:?} has unknown unit {other:?} (use ms, s, m, h or d)")),
+        other => {
+            return Err(format!(
+                "duration {text:?} has unknown unit {other:?} (use ms, s, m, h or d)"
+            ));
+        }
     };
     number
         .checked_mul(millis_per_unit)
@@ -46,7 +50,10 @@ mod tests {
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
         assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86_400)
+        );
         assert!(parse_duration("10").unwrap_err().contains("no unit"));
         assert!(parse_duration("10y").unwrap_err().contains("unknown unit"));
     }

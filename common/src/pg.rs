@@ -33,10 +33,16 @@ impl TableName {
         let (schema, name) = match parts.as_slice() {
             [name] => ("public", *name),
             [schema, name] => (*schema, *name),
-            _ => return Err(format!("table name {text:?} must be `table` or `schema.table`")),
+            _ => {
+                return Err(format!(
+                    "table name {text:?} must be `table` or `schema.table`"
+                ));
+            }
         };
         if schema.is_empty() || name.is_empty() {
-            return Err(format!("table name {text:?} must be `table` or `schema.table`"));
+            return Err(format!(
+                "table name {text:?} must be `table` or `schema.table`"
+            ));
         }
         Ok(TableName {
             schema: schema.to_string(),
@@ -124,12 +130,20 @@ impl TableSql {
     pub fn key_positions(&self) -> Vec<usize> {
         self.key_columns
             .iter()
-            .map(|k| self.columns.iter().position(|c| &c.name == k).expect("key column is a column"))
+            .map(|k| {
+                self.columns
+                    .iter()
+                    .position(|c| &c.name == k)
+                    .expect("key column is a column")
+            })
             .collect()
     }
 
     pub fn key_types(&self) -> Vec<String> {
-        self.key_positions().into_iter().map(|i| self.columns[i].sql_type.clone()).collect()
+        self.key_positions()
+            .into_iter()
+            .map(|i| self.columns[i].sql_type.clone())
+            .collect()
     }
 
     fn range_condition(&self, range: &ShardRange) -> Vec<String> {
@@ -145,7 +159,11 @@ impl TableSql {
     }
 
     fn key_order(&self) -> String {
-        self.key_columns.iter().map(|c| quote_ident(c)).collect::<Vec<_>>().join(", ")
+        self.key_columns
+            .iter()
+            .map(|c| quote_ident(c))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// A snapshot page: rows of the range after `after_key` in key order, up to `max_key` on
@@ -162,7 +180,11 @@ impl TableSql {
             conditions.push(keys_after(&self.key_columns, after));
         }
         if let Some(max) = max_key {
-            conditions.push(format!("{} <= {}", quote_ident(&self.key_columns[0]), key_literal(max)));
+            conditions.push(format!(
+                "{} <= {}",
+                quote_ident(&self.key_columns[0]),
+                key_literal(max)
+            ));
         }
         self.copy_out(&conditions, &self.key_order(), limit)
     }
@@ -188,10 +210,17 @@ impl TableSql {
                 columns.extend(self.key_columns.iter().map(|c| quote_ident(c)));
                 let mut values = vec![t];
                 values.extend(after.iter().map(key_literal));
-                conditions.push(format!("({}) > ({})", columns.join(", "), values.join(", ")));
+                conditions.push(format!(
+                    "({}) > ({})",
+                    columns.join(", "),
+                    values.join(", ")
+                ));
             }
         }
-        conditions.push(format!("{cursor} < {}", time_literal(high_micros, cursor_type)));
+        conditions.push(format!(
+            "{cursor} < {}",
+            time_literal(high_micros, cursor_type)
+        ));
         let order = format!("{cursor}, {}", self.key_order());
         self.copy_out(&conditions, &order, limit)
     }
@@ -217,7 +246,12 @@ impl TableSql {
             .iter()
             .zip(not_null)
             .map(|(c, nn)| {
-                format!("{} {}{}", quote_ident(&c.name), c.sql_type, if *nn { " NOT NULL" } else { "" })
+                format!(
+                    "{} {}{}",
+                    quote_ident(&c.name),
+                    c.sql_type,
+                    if *nn { " NOT NULL" } else { "" }
+                )
             })
             .collect();
         definitions.push(format!("{} bigint NOT NULL", quote_ident(VERSION_COLUMN)));
@@ -271,54 +305,6 @@ impl TableSql {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn items() -> TableSql {
-        TableSql {
-            source: TableName::parse("public.items").unwrap(),
-            target: TableName::parse("items").unwrap(),
-            columns: vec![
-                Column { name: "id".into(), sql_type: "bigint".into() },
-                Column { name: "updated_at".into(), sql_type: "timestamp(3) with time zone".into() },
-                Column { name: "na\"me".into(), sql_type: "text".into() },
-            ],
-            key_columns: vec!["id".into()],
-            cursor_column: "updated_at".into(),
-        }
-    }
-
-    #[test]
-    fn quoting_escapes_embedded_quotes() {
-        assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");
-        assert_eq!(quote_literal("it's"), "'it''s'");
-        assert!(TableName::parse("a.b.c").is_err());
-    }
-
-    #[test]
-    fn incremental_page_is_a_row_comparison_below_high() {
-        let sql = items().incremental_page(
-            &ShardRange { lo: None, hi: Some(KeyValue { sql_type: "bigint".into(), value: "100".into() }) },
-            1_000_000,
-            Some(&[KeyValue { sql_type: "bigint".into(), value: "7".into() }]),
-            2_000_000,
-            500,
-        );
-        assert!(sql.contains("\"id\" < '100'::bigint"), "{sql}");
-        assert!(sql.contains("(\"updated_at\", \"id\") > ((\'1970-01-01 00:00:00+00\'::timestamptz + 1000000 * interval '1 microsecond'), '7'::bigint)"), "{sql}");
-        assert!(sql.contains("ORDER BY \"updated_at\", \"id\" LIMIT 500"), "{sql}");
-    }
-
-    #[test]
-    fn upsert_is_guarded_by_version() {
-        let sql = items().upsert_from_stage();
-        assert!(sql.contains("WHERE t.\"_tidemark_version\" <= EXCLUDED.\"_tidemark_version\""), "{sql}");
-        assert!(sql.contains("\"na\"\"me\" = EXCLUDED.\"na\"\"me\""), "{sql}");
-        assert!(!sql.contains("\"id\" = EXCLUDED"), "{sql}");
-    }
-}
-
 /// Connection options for every Tidemark session: UTC, standard-conforming strings (which
 /// the literal quoting above relies on) and an application name that shows in
 /// `pg_stat_activity`.
@@ -338,12 +324,90 @@ pub fn connect_options(
 /// opposed to a problem that retrying cannot fix (bad credentials, missing database, SQL).
 pub fn is_transient(error: &sqlx::Error) -> bool {
     match error {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Tls(_) => true,
         sqlx::Error::Database(db) => matches!(
             db.code().as_deref(),
             // admin_shutdown, crash_shutdown, cannot_connect_now, serialization, deadlock
             Some("57P01") | Some("57P02") | Some("57P03") | Some("40001") | Some("40P01")
         ),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn items() -> TableSql {
+        TableSql {
+            source: TableName::parse("public.items").unwrap(),
+            target: TableName::parse("items").unwrap(),
+            columns: vec![
+                Column {
+                    name: "id".into(),
+                    sql_type: "bigint".into(),
+                },
+                Column {
+                    name: "updated_at".into(),
+                    sql_type: "timestamp(3) with time zone".into(),
+                },
+                Column {
+                    name: "na\"me".into(),
+                    sql_type: "text".into(),
+                },
+            ],
+            key_columns: vec!["id".into()],
+            cursor_column: "updated_at".into(),
+        }
+    }
+
+    #[test]
+    fn quoting_escapes_embedded_quotes() {
+        assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");
+        assert_eq!(quote_literal("it's"), "'it''s'");
+        assert!(TableName::parse("a.b.c").is_err());
+    }
+
+    #[test]
+    fn incremental_page_is_a_row_comparison_below_high() {
+        let sql = items().incremental_page(
+            &ShardRange {
+                lo: None,
+                hi: Some(KeyValue {
+                    sql_type: "bigint".into(),
+                    value: "100".into(),
+                }),
+            },
+            1_000_000,
+            Some(&[KeyValue {
+                sql_type: "bigint".into(),
+                value: "7".into(),
+            }]),
+            2_000_000,
+            500,
+        );
+        assert!(sql.contains("\"id\" < '100'::bigint"), "{sql}");
+        assert!(sql.contains("(\"updated_at\", \"id\") > ((\'1970-01-01 00:00:00+00\'::timestamptz + 1000000 * interval '1 microsecond'), '7'::bigint)"), "{sql}");
+        assert!(
+            sql.contains("ORDER BY \"updated_at\", \"id\" LIMIT 500"),
+            "{sql}"
+        );
+    }
+
+    #[test]
+    fn upsert_is_guarded_by_version() {
+        let sql = items().upsert_from_stage();
+        assert!(
+            sql.contains("WHERE t.\"_tidemark_version\" <= EXCLUDED.\"_tidemark_version\""),
+            "{sql}"
+        );
+        assert!(
+            sql.contains("\"na\"\"me\" = EXCLUDED.\"na\"\"me\""),
+            "{sql}"
+        );
+        assert!(!sql.contains("\"id\" = EXCLUDED"), "{sql}");
     }
 }

@@ -15,7 +15,11 @@ pub fn redact_url(text: &str) -> String {
                 let pairs: Vec<(String, String)> = url
                     .query_pairs()
                     .map(|(k, v)| {
-                        let value = if k == "password" { "****".to_string() } else { v.into_owned() };
+                        let value = if k == "password" {
+                            "****".to_string()
+                        } else {
+                            v.into_owned()
+                        };
                         (k.into_owned(), value)
                     })
                     .collect();
@@ -57,7 +61,10 @@ mod tests {
         assert!(!redact_url("postgres://db/app?user=a&password=s3cret").contains("s3cret"));
         assert_eq!(redact_url("postgres://db/app"), "postgres://db/app");
         assert_eq!(
-            redact_secrets("cannot reach postgres://app:s3cret@db", &["postgres://app:s3cret@db"]),
+            redact_secrets(
+                "cannot reach postgres://app:s3cret@db",
+                &["postgres://app:s3cret@db"]
+            ),
             "cannot reach postgres://app:****@db"
         );
     }

@@ -1,6 +1,8 @@
 //! Logging setup shared by the binaries: human-readable lines on stderr, filtered by
 //! `RUST_LOG` (default `info`).
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 pub fn init_logging() {
@@ -10,5 +12,6 @@ pub fn init_logging() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }

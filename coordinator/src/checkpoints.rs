@@ -125,7 +125,8 @@ impl ControlDb {
     /// Connects (creating the database when it does not exist) and runs the migrations.
     /// sqlx holds an advisory lock while migrating, so concurrent coordinators are safe.
     pub async fn connect(url: &str) -> Result<ControlDb, CoordinatorError> {
-        let options = connect_options(url, "tidemark-coordinator").map_err(CoordinatorError::InvalidRequest)?;
+        let options = connect_options(url, "tidemark-coordinator")
+            .map_err(CoordinatorError::InvalidRequest)?;
         let pool_options = PgPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(10));
@@ -139,7 +140,10 @@ impl ControlDb {
                     .connect_with(options.clone().database("postgres"))
                     .await?;
                 let create = format!("CREATE DATABASE {}", quote_ident(&database));
-                if let Err(error) = sqlx::query(sqlx::AssertSqlSafe(create)).execute(&admin).await {
+                if let Err(error) = sqlx::query(sqlx::AssertSqlSafe(create))
+                    .execute(&admin)
+                    .await
+                {
                     let raced = matches!(&error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42P04"));
                     if !raced {
                         return Err(error.into());
@@ -212,7 +216,8 @@ impl ControlDb {
         .await?;
         let start = cursor_json(&Cursor::snapshot_start(plan.epoch));
         for (shard_id, range) in plan.ranges.iter().enumerate() {
-            let range: serde_json::Value = serde_json::from_str(range).expect("encoded range is JSON");
+            let range: serde_json::Value =
+                serde_json::from_str(range).expect("encoded range is JSON");
             sqlx::query(
                 "INSERT INTO checkpoints (task, epoch, shard_id, range, phase, cursor) \
                  VALUES ($1, $2, $3, $4, 'SNAPSHOT', $5)",
@@ -240,7 +245,10 @@ impl ControlDb {
 
     /// Shards of the given tasks' current epochs that are not paused, least recently
     /// touched first.
-    pub async fn shard_candidates(&self, tasks: &[String]) -> Result<Vec<ShardKey>, CoordinatorError> {
+    pub async fn shard_candidates(
+        &self,
+        tasks: &[String],
+    ) -> Result<Vec<ShardKey>, CoordinatorError> {
         let rows = sqlx::query(
             "SELECT c.task, c.epoch, c.shard_id FROM checkpoints c \
              JOIN tasks t ON t.name = c.task AND t.current_epoch = c.epoch \
@@ -260,7 +268,12 @@ impl ControlDb {
     }
 
     /// Records a new owner under a fence token that must be larger than every earlier one.
-    pub async fn claim(&self, shard: &ShardKey, fence: u64, owner: &str) -> Result<Option<ShardRecord>, CoordinatorError> {
+    pub async fn claim(
+        &self,
+        shard: &ShardKey,
+        fence: u64,
+        owner: &str,
+    ) -> Result<Option<ShardRecord>, CoordinatorError> {
         let row = sqlx::query(
             "UPDATE checkpoints SET fence = $4, owner = $5, updated_at = now() \
              WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence < $4 \
@@ -286,7 +299,11 @@ impl ControlDb {
     }
 
     /// The staged, uncommitted batch that starts at the shard's committed cursor, if any.
-    pub async fn pending_batch(&self, shard: &ShardKey, cursor: &Cursor) -> Result<Option<PendingBatchRecord>, CoordinatorError> {
+    pub async fn pending_batch(
+        &self,
+        shard: &ShardKey,
+        cursor: &Cursor,
+    ) -> Result<Option<PendingBatchRecord>, CoordinatorError> {
         let row = sqlx::query(
             "SELECT batch_id, manifest_path FROM batches \
              WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND state = 'STAGED' AND lower = $4 \
@@ -336,19 +353,28 @@ impl ControlDb {
                 reason,
             });
         }
-        Ok((decode_cursor(row.get(0))?, row.get::<i64, _>(1) as u64, row.get(3)))
+        Ok((
+            decode_cursor(row.get(0))?,
+            row.get::<i64, _>(1) as u64,
+            row.get(3),
+        ))
     }
 
     /// Records a staged batch. Its bounds are fixed from here on (invariant 2): registering the
     /// same id again with other content is refused.
     pub async fn register_batch(&self, batch: &RegisterBatch<'_>) -> Result<(), CoordinatorError> {
         let mut tx = self.pool.begin().await?;
-        let (cursor, _, _) = Self::lock_checkpoint(tx.acquire().await?, batch.shard, batch.fence).await?;
+        let (cursor, _, _) =
+            Self::lock_checkpoint(tx.acquire().await?, batch.shard, batch.fence).await?;
         if &cursor != batch.lower {
             return Err(CoordinatorError::CheckpointConflict {
                 task: batch.shard.task.clone(),
                 shard: batch.shard.shard_id,
-                message: format!("batch lower bound {} is not the committed cursor {}", batch.lower.describe(), cursor.describe()),
+                message: format!(
+                    "batch lower bound {} is not the committed cursor {}",
+                    batch.lower.describe(),
+                    cursor.describe()
+                ),
             });
         }
         let existing = sqlx::query("SELECT content_hash, state FROM batches WHERE batch_id = $1")
@@ -361,7 +387,9 @@ impl ControlDb {
             if hash != batch.content_hash {
                 return Err(CoordinatorError::Batch {
                     batch_id: batch.batch_id.to_string(),
-                    message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
+                    message: format!(
+                        "already registered ({state}) with content {hash}; replay the staged batch"
+                    ),
                 });
             }
             tx.commit().await?;
@@ -400,7 +428,8 @@ impl ControlDb {
             message,
         };
         let mut tx = self.pool.begin().await?;
-        let (cursor, version, last_batch_id) = Self::lock_checkpoint(tx.acquire().await?, shard, commit.fence).await?;
+        let (cursor, version, last_batch_id) =
+            Self::lock_checkpoint(tx.acquire().await?, shard, commit.fence).await?;
         if !commit.empty
             && &cursor == commit.upper
             && last_batch_id.as_deref() == Some(commit.batch_id)
@@ -410,7 +439,10 @@ impl ControlDb {
             return Ok(version);
         }
         if version != commit.expected_version {
-            return Err(conflict(format!("expected version {}, found {version}", commit.expected_version)));
+            return Err(conflict(format!(
+                "expected version {}, found {version}",
+                commit.expected_version
+            )));
         }
         if &cursor != commit.lower {
             return Err(conflict(format!(
@@ -447,7 +479,11 @@ impl ControlDb {
             .execute(&mut *tx)
             .await?;
         }
-        let phase = if commit.upper.is_incremental() { "INCREMENTAL" } else { "SNAPSHOT" };
+        let phase = if commit.upper.is_incremental() {
+            "INCREMENTAL"
+        } else {
+            "SNAPSHOT"
+        };
         let new_version = version + 1;
         sqlx::query(
             "UPDATE checkpoints SET cursor = $4, version = $5, phase = $6, \
@@ -484,7 +520,12 @@ impl ControlDb {
         Ok(new_version)
     }
 
-    pub async fn release(&self, shard: &ShardKey, fence: u64, owner: &str) -> Result<(), CoordinatorError> {
+    pub async fn release(
+        &self,
+        shard: &ShardKey,
+        fence: u64,
+        owner: &str,
+    ) -> Result<(), CoordinatorError> {
         sqlx::query(
             "UPDATE checkpoints SET owner = NULL WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence = $4 AND owner = $5",
         )

@@ -22,7 +22,11 @@ pub struct Leases {
 }
 
 impl Leases {
-    pub async fn connect(endpoints: &[String], prefix: &str, ttl: Duration) -> Result<Leases, CoordinatorError> {
+    pub async fn connect(
+        endpoints: &[String],
+        prefix: &str,
+        ttl: Duration,
+    ) -> Result<Leases, CoordinatorError> {
         let options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(3))
             .with_timeout(Duration::from_secs(5));
@@ -39,7 +43,10 @@ impl Leases {
     }
 
     fn owner_key(&self, shard: &ShardKey) -> String {
-        format!("{}/owners/{}/{}/{}", self.prefix, shard.task, shard.epoch, shard.shard_id)
+        format!(
+            "{}/owners/{}/{}/{}",
+            self.prefix, shard.task, shard.epoch, shard.shard_id
+        )
     }
 
     fn owners_prefix(&self) -> String {
@@ -64,24 +71,36 @@ impl Leases {
     }
 
     pub async fn lease_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {
-        let response = self.client.clone().lease_time_to_live(lease_id, None).await?;
+        let response = self
+            .client
+            .clone()
+            .lease_time_to_live(lease_id, None)
+            .await?;
         Ok(response.ttl() > 0)
     }
 
     /// Creates the ownership key if no one holds it; returns the fence token on success.
-    pub async fn try_claim(&self, shard: &ShardKey, worker_id: &str, lease_id: i64) -> Result<Option<u64>, CoordinatorError> {
+    pub async fn try_claim(
+        &self,
+        shard: &ShardKey,
+        worker_id: &str,
+        lease_id: i64,
+    ) -> Result<Option<u64>, CoordinatorError> {
         let key = self.owner_key(shard);
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key, worker_id, Some(PutOptions::new().with_lease(lease_id)))]);
+            .and_then([TxnOp::put(
+                key,
+                worker_id,
+                Some(PutOptions::new().with_lease(lease_id)),
+            )]);
         let response = self.client.clone().txn(txn).await?;
         if !response.succeeded() {
             return Ok(None);
         }
-        let revision = response
-            .header()
-            .map(|h| h.revision())
-            .ok_or_else(|| CoordinatorError::InvalidRequest("etcd txn response without header".into()))?;
+        let revision = response.header().map(|h| h.revision()).ok_or_else(|| {
+            CoordinatorError::InvalidRequest("etcd txn response without header".into())
+        })?;
         Ok(Some(revision as u64))
     }
 
@@ -89,7 +108,11 @@ impl Leases {
     pub async fn release(&self, shard: &ShardKey, fence: u64) -> Result<(), CoordinatorError> {
         let key = self.owner_key(shard);
         let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, fence as i64)])
+            .when([Compare::create_revision(
+                key.clone(),
+                CompareOp::Equal,
+                fence as i64,
+            )])
             .and_then([TxnOp::delete(key, None)]);
         self.client.clone().txn(txn).await?;
         Ok(())
@@ -107,8 +130,12 @@ impl Leases {
         for kv in response.kvs() {
             let Ok(key) = kv.key_str() else { continue };
             let parts: Vec<&str> = key[prefix.len()..].split('/').collect();
-            let [task, epoch, shard_id] = parts.as_slice() else { continue };
-            let (Ok(epoch), Ok(shard_id)) = (epoch.parse(), shard_id.parse()) else { continue };
+            let [task, epoch, shard_id] = parts.as_slice() else {
+                continue;
+            };
+            let (Ok(epoch), Ok(shard_id)) = (epoch.parse(), shard_id.parse()) else {
+                continue;
+            };
             let worker = kv.value_str().unwrap_or_default().to_string();
             owners.insert(
                 ShardKey {

@@ -18,7 +18,11 @@ use tidemark_proto::v1::admin_service_server::AdminServiceServer;
 use tidemark_proto::v1::worker_service_server::WorkerServiceServer;
 
 #[derive(Parser)]
-#[command(name = "tidemark-coordinator", version, about = "Tidemark coordinator: shard planning, leases, fenced checkpoints")]
+#[command(
+    name = "tidemark-coordinator",
+    version,
+    about = "Tidemark coordinator: shard planning, leases, fenced checkpoints"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -78,7 +82,9 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
     let control = (|| ControlDb::connect(&settings.control_db))
         .retry(retry)
         .when(is_transient)
-        .notify(|error, delay| tracing::warn!(%error, ?delay, "control database unreachable; retrying"))
+        .notify(
+            |error, delay| tracing::warn!(%error, ?delay, "control database unreachable; retrying"),
+        )
         .await
         .with_context(|| format!("control database {}", redact_url(&settings.control_db)))?;
     // Bad tasks (missing tables, nullable keys, …) fail before anything else is contacted.
@@ -87,12 +93,18 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         let prepared = prepare_task(&control, task).await?;
         tasks.insert(task.name.clone(), prepared);
     }
-    let leases = (|| Leases::connect(&settings.etcd_endpoints, &settings.etcd_prefix, settings.lease_ttl))
-        .retry(retry)
-        .when(is_transient)
-        .notify(|error, delay| tracing::warn!(%error, ?delay, "etcd unreachable; retrying"))
-        .await
-        .with_context(|| format!("etcd {}", settings.etcd_endpoints.join(",")))?;
+    let leases = (|| {
+        Leases::connect(
+            &settings.etcd_endpoints,
+            &settings.etcd_prefix,
+            settings.lease_ttl,
+        )
+    })
+    .retry(retry)
+    .when(is_transient)
+    .notify(|error, delay| tracing::warn!(%error, ?delay, "etcd unreachable; retrying"))
+    .await
+    .with_context(|| format!("etcd {}", settings.etcd_endpoints.join(",")))?;
     // Probe etcd once so that a wrong endpoint fails here, not on the first worker.
     (|| leases.owners())
         .retry(retry)
@@ -134,7 +146,8 @@ fn tokio_stream_listener(
 }
 
 async fn shutdown_signal() {
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("signal handler");
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = terminate.recv() => {}
@@ -152,7 +165,10 @@ async fn show_status(coordinator: String, json: bool) -> anyhow::Result<()> {
         .map_err(|s| anyhow::anyhow!("{}", s.message()))?
         .into_inner();
     if json {
-        println!("{}", serde_json::to_string_pretty(&status::to_json(&status))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&status::to_json(&status))?
+        );
     } else {
         print!("{}", status::to_table(&status));
     }

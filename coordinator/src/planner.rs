@@ -10,7 +10,9 @@ use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::config::TaskConfig;
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, Position, plan_ranges};
-use tidemark_common::pg::{Column, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient, quote_ident};
+use tidemark_common::pg::{
+    Column, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient, quote_ident,
+};
 use tidemark_common::redact::redact_url;
 
 use crate::checkpoints::{ControlDb, EpochPlan, EpochRecord};
@@ -28,7 +30,11 @@ pub struct PreparedTask {
 }
 
 /// Connects to a task database, retrying while it is unreachable.
-pub async fn connect_database(task: &str, role: &str, url: &str) -> Result<PgPool, CoordinatorError> {
+pub async fn connect_database(
+    task: &str,
+    role: &str,
+    url: &str,
+) -> Result<PgPool, CoordinatorError> {
     let options = connect_options(url, "tidemark-coordinator")
         .map_err(|e| CoordinatorError::task_setup(task, format!("{role} URL: {e}")))?;
     let connect = || async {
@@ -53,7 +59,12 @@ struct SourceColumn {
     not_null: bool,
 }
 
-async fn introspect(pool: &PgPool, task: &str, role: &str, table: &TableName) -> Result<Option<Vec<SourceColumn>>, CoordinatorError> {
+async fn introspect(
+    pool: &PgPool,
+    task: &str,
+    role: &str,
+    table: &TableName,
+) -> Result<Option<Vec<SourceColumn>>, CoordinatorError> {
     let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
         .bind(table.quoted())
         .fetch_one(pool)
@@ -84,7 +95,11 @@ async fn introspect(pool: &PgPool, task: &str, role: &str, table: &TableName) ->
 }
 
 /// Whether a unique, non-partial index (or the primary key) covers exactly `key`.
-async fn key_is_unique(pool: &PgPool, table: &TableName, key: &[String]) -> Result<bool, CoordinatorError> {
+async fn key_is_unique(
+    pool: &PgPool,
+    table: &TableName,
+    key: &[String],
+) -> Result<bool, CoordinatorError> {
     let indexes: Vec<Vec<String>> = sqlx::query_scalar(
         "SELECT array_agg(a.attname::text) FROM pg_index i \
          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
@@ -124,11 +139,16 @@ fn is_timestamp_type(sql_type: &str) -> bool {
 
 /// Validates the source and target, plans the first epoch if the task has none, and returns
 /// the task as served.
-pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<PreparedTask, CoordinatorError> {
+pub async fn prepare_task(
+    control: &ControlDb,
+    config: &TaskConfig,
+) -> Result<PreparedTask, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    let source_table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
-    let target_table = TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?;
+    let source_table =
+        TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let target_table =
+        TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?;
 
     let source = connect_database(task, "source", &config.source).await?;
     let source_columns = introspect(&source, task, "source", &source_table)
@@ -136,9 +156,15 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         .ok_or_else(|| setup(format!("source table {source_table} does not exist")))?;
     let find = |name: &str| source_columns.iter().find(|c| c.column.name == name);
     for key in &config.key {
-        let column = find(key).ok_or_else(|| setup(format!("key column {key:?} does not exist in {source_table}")))?;
+        let column = find(key).ok_or_else(|| {
+            setup(format!(
+                "key column {key:?} does not exist in {source_table}"
+            ))
+        })?;
         if !column.not_null {
-            return Err(setup(format!("key column {key:?} of {source_table} is nullable; keys must be NOT NULL")));
+            return Err(setup(format!(
+                "key column {key:?} of {source_table} is nullable; keys must be NOT NULL"
+            )));
         }
     }
     if !key_is_unique(&source, &source_table, &config.key).await? {
@@ -147,8 +173,12 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
             config.key.join(", ")
         )));
     }
-    let cursor = find(&config.cursor_column)
-        .ok_or_else(|| setup(format!("cursor_column {:?} does not exist in {source_table}", config.cursor_column)))?;
+    let cursor = find(&config.cursor_column).ok_or_else(|| {
+        setup(format!(
+            "cursor_column {:?} does not exist in {source_table}",
+            config.cursor_column
+        ))
+    })?;
     if !cursor.not_null {
         return Err(setup(format!(
             "cursor_column {:?} of {source_table} is nullable; the cursor column must be NOT NULL",
@@ -169,8 +199,13 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
             config.key[0]
         )));
     }
-    if source_columns.iter().any(|c| c.column.name == VERSION_COLUMN) {
-        return Err(setup(format!("source table {source_table} has a column named {VERSION_COLUMN}, which Tidemark reserves")));
+    if source_columns
+        .iter()
+        .any(|c| c.column.name == VERSION_COLUMN)
+    {
+        return Err(setup(format!(
+            "source table {source_table} has a column named {VERSION_COLUMN}, which Tidemark reserves"
+        )));
     }
     let columns: Vec<Column> = source_columns.iter().map(|c| c.column.clone()).collect();
     let not_null: Vec<bool> = source_columns.iter().map(|c| c.not_null).collect();
@@ -179,7 +214,15 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
     let epoch = match control.current_epoch(task).await? {
         Some(epoch) => epoch,
         None => {
-            let plan = plan_epoch(&source, config, &source_table, &first_key_type, &columns, &current_schema_id).await?;
+            let plan = plan_epoch(
+                &source,
+                config,
+                &source_table,
+                &first_key_type,
+                &columns,
+                &current_schema_id,
+            )
+            .await?;
             if control.create_epoch(&plan).await? {
                 tracing::info!(task, epoch = plan.epoch, shards = plan.ranges.len(), schema_id = %plan.schema_id, "planned epoch");
             }
@@ -201,11 +244,12 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         control.pause_task(task, &reason).await?;
         paused_reason = Some(reason);
     }
-    let frozen_columns: Vec<Column> = serde_json::from_value::<Vec<(String, String)>>(epoch.columns.clone())
-        .map_err(|e| setup(format!("stored epoch columns: {e}")))?
-        .into_iter()
-        .map(|(name, sql_type)| Column { name, sql_type })
-        .collect();
+    let frozen_columns: Vec<Column> =
+        serde_json::from_value::<Vec<(String, String)>>(epoch.columns.clone())
+            .map_err(|e| setup(format!("stored epoch columns: {e}")))?
+            .into_iter()
+            .map(|(name, sql_type)| Column { name, sql_type })
+            .collect();
 
     let target = connect_database(task, "target", &config.target).await?;
     let sql = TableSql {
@@ -248,7 +292,12 @@ async fn plan_epoch(
     let row = sqlx::query(sqlx::AssertSqlSafe(query))
         .fetch_one(source)
         .await
-        .map_err(|e| CoordinatorError::task_setup(&config.name, format!("reading the start bound from {table}: {e}")))?;
+        .map_err(|e| {
+            CoordinatorError::task_setup(
+                &config.name,
+                format!("reading the start bound from {table}: {e}"),
+            )
+        })?;
     let h0_time_micros: i64 = row.get(0);
     let (domain, h0_max_key) = if first_key_type == "uuid" {
         (KeyDomain::Uuid, None)
@@ -291,18 +340,28 @@ async fn plan_epoch(
         h0_time_micros,
         h0_max_key: h0_max_key.map(|k| serde_json::to_value(k).expect("key serializes")),
         incremental_start,
-        ranges: plan_ranges(&domain, config.shards).iter().map(|r| r.encode()).collect(),
+        ranges: plan_ranges(&domain, config.shards)
+            .iter()
+            .map(|r| r.encode())
+            .collect(),
     })
 }
 
 /// Creates the target table and the ledger when missing; an existing target table must carry
 /// the version column and every source column.
-async fn ensure_target(target: &PgPool, task: &str, sql: &TableSql, not_null: &[bool]) -> Result<(), CoordinatorError> {
+async fn ensure_target(
+    target: &PgPool,
+    task: &str,
+    sql: &TableSql,
+    not_null: &[bool],
+) -> Result<(), CoordinatorError> {
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    sqlx::query(LEDGER_DDL)
-        .execute(target)
-        .await
-        .map_err(|e| setup(format!("creating {}: {e}", tidemark_common::pg::LEDGER_TABLE)))?;
+    sqlx::query(LEDGER_DDL).execute(target).await.map_err(|e| {
+        setup(format!(
+            "creating {}: {e}",
+            tidemark_common::pg::LEDGER_TABLE
+        ))
+    })?;
     match introspect(target, task, "target", &sql.target).await? {
         None => {
             let ddl = sql.create_target_table(not_null);
@@ -321,7 +380,10 @@ async fn ensure_target(target: &PgPool, task: &str, sql: &TableSql, not_null: &[
                 )));
             }
             if let Some(missing) = sql.columns.iter().find(|c| !has(&c.name)) {
-                return Err(setup(format!("target table {} has no column {:?}", sql.target, missing.name)));
+                return Err(setup(format!(
+                    "target table {} has no column {:?}",
+                    sql.target, missing.name
+                )));
             }
         }
     }

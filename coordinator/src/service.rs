@@ -67,7 +67,11 @@ impl CoordinatorService {
         }
     }
 
-    async fn acquire(&self, worker_id: &str, lease_id: i64) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
+    async fn acquire(
+        &self,
+        worker_id: &str,
+        lease_id: i64,
+    ) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
         let coordinator = &self.inner;
         if !coordinator.leases.lease_alive(lease_id).await? {
             return Err(CoordinatorError::LeaseExpired { lease_id });
@@ -81,38 +85,73 @@ impl CoordinatorService {
         let candidates = coordinator.control.shard_candidates(&active).await?;
         let owners = coordinator.leases.owners().await?;
         for shard in candidates.into_iter().filter(|s| !owners.contains_key(s)) {
-            let Some(fence) = coordinator.leases.try_claim(&shard, worker_id, lease_id).await? else {
+            let Some(fence) = coordinator
+                .leases
+                .try_claim(&shard, worker_id, lease_id)
+                .await?
+            else {
                 continue;
             };
-            let Some(record) = coordinator.control.claim(&shard, fence, worker_id).await? else {
-                // Cannot happen while fences come from etcd revisions; give the key back.
-                tracing::error!(task = %shard.task, shard = shard.shard_id, fence, "fence did not increase; releasing");
-                coordinator.leases.release(&shard, fence).await?;
-                continue;
-            };
-            let pending = coordinator.control.pending_batch(&shard, &record.cursor).await?;
-            let task = self.task(&shard.task)?;
-            tracing::info!(
-                task = %shard.task, shard = shard.shard_id, worker = worker_id, fence,
-                cursor = %record.cursor.describe(), pending = pending.is_some(), "shard acquired"
-            );
-            return Ok(Some(pb::ShardAssignment {
-                task: Some(self.task_spec(task)),
-                epoch: shard.epoch,
-                shard_id: shard.shard_id,
-                range: record.range,
-                cursor: record.cursor.encode(),
-                checkpoint_version: record.version,
-                fence_token: record.fence,
-                pending: pending.map(|p| pb::PendingBatch {
-                    batch_id: p.batch_id,
-                    manifest_path: p.manifest_path,
-                }),
-                snapshot_max_key: task.epoch.h0_max_key.as_ref().map(|v| v.to_string()).unwrap_or_default(),
-                incremental_start: task.epoch.incremental_start.encode(),
-            }));
+            match self.assign(&shard, fence, worker_id).await {
+                Ok(Some(assignment)) => return Ok(Some(assignment)),
+                Ok(None) => continue,
+                Err(error) => {
+                    // The worker will never hear of this claim: give it back at once rather
+                    // than leave the shard owned by nobody who works on it.
+                    if let Err(release_error) = coordinator.leases.release(&shard, fence).await {
+                        tracing::warn!(task = %shard.task, shard = shard.shard_id, %release_error, "could not release a failed claim; it expires with the lease");
+                    }
+                    return Err(error);
+                }
+            }
         }
         Ok(None)
+    }
+
+    /// Records a claimed shard's new owner in the control database and builds the
+    /// assignment. `None` when the fence did not increase (the claim is given back).
+    async fn assign(
+        &self,
+        shard: &ShardKey,
+        fence: u64,
+        worker_id: &str,
+    ) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
+        let coordinator = &self.inner;
+        let Some(record) = coordinator.control.claim(shard, fence, worker_id).await? else {
+            // Cannot happen while fences come from etcd revisions; give the key back.
+            tracing::error!(task = %shard.task, shard = shard.shard_id, fence, "fence did not increase; releasing");
+            coordinator.leases.release(shard, fence).await?;
+            return Ok(None);
+        };
+        let pending = coordinator
+            .control
+            .pending_batch(shard, &record.cursor)
+            .await?;
+        let task = self.task(&shard.task)?;
+        tracing::info!(
+            task = %shard.task, shard = shard.shard_id, worker = worker_id, fence,
+            cursor = %record.cursor.describe(), pending = pending.is_some(), "shard acquired"
+        );
+        Ok(Some(pb::ShardAssignment {
+            task: Some(self.task_spec(task)),
+            epoch: shard.epoch,
+            shard_id: shard.shard_id,
+            range: record.range,
+            cursor: record.cursor.encode(),
+            checkpoint_version: record.version,
+            fence_token: record.fence,
+            pending: pending.map(|p| pb::PendingBatch {
+                batch_id: p.batch_id,
+                manifest_path: p.manifest_path,
+            }),
+            snapshot_max_key: task
+                .epoch
+                .h0_max_key
+                .as_ref()
+                .map(|v| v.to_string())
+                .unwrap_or_default(),
+            incremental_start: task.epoch.incremental_start.encode(),
+        }))
     }
 }
 
@@ -144,7 +183,10 @@ impl WorkerService for CoordinatorService {
         }))
     }
 
-    async fn heartbeat(&self, request: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let request = request.into_inner();
         let lease_alive = self.inner.leases.keep_alive(request.lease_id).await?;
         if !lease_alive {
@@ -227,7 +269,10 @@ impl WorkerService for CoordinatorService {
     ) -> Result<Response<pb::ReleaseShardResponse>, Status> {
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
-        self.inner.leases.release(&shard, request.fence_token).await?;
+        self.inner
+            .leases
+            .release(&shard, request.fence_token)
+            .await?;
         self.inner
             .control
             .release(&shard, request.fence_token, &request.worker_id)
@@ -239,7 +284,10 @@ impl WorkerService for CoordinatorService {
 
 #[tonic::async_trait]
 impl AdminService for CoordinatorService {
-    async fn status(&self, _request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
+    async fn status(
+        &self,
+        _request: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
         let rows = self.inner.control.status().await?;
         let owners = self.inner.leases.owners().await?;
         let tasks = rows
@@ -247,7 +295,10 @@ impl AdminService for CoordinatorService {
             .map(|task| {
                 let snapshot_complete = task.shards.iter().all(|s| s.cursor.is_incremental());
                 let watermark_micros = if snapshot_complete {
-                    task.shards.iter().filter_map(|s| s.cursor.incremental_time()).min()
+                    task.shards
+                        .iter()
+                        .filter_map(|s| s.cursor.incremental_time())
+                        .min()
                 } else {
                     None
                 };

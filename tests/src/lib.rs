@@ -15,11 +15,16 @@ use tidemark_proto::v1 as pb;
 use tidemark_proto::v1::admin_service_client::AdminServiceClient;
 
 pub fn pg_base_url() -> String {
-    std::env::var("TIDEMARK_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+    std::env::var("TIDEMARK_TEST_PG")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -70,7 +75,11 @@ impl TestDb {
             .unwrap();
         admin.close().await;
         let url = format!("{}/{name}", pg_base_url());
-        let pool = PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect(&url)
+            .await
+            .unwrap();
         TestDb { name, url, pool }
     }
 
@@ -85,8 +94,17 @@ impl TestDb {
 impl Drop for TestDb {
     fn drop(&mut self) {
         let _ = Command::new("psql")
-            .args(["-X", "-q", "-d", &format!("{}/postgres", pg_base_url()), "-c"])
-            .arg(format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name))
+            .args([
+                "-X",
+                "-q",
+                "-d",
+                &format!("{}/postgres", pg_base_url()),
+                "-c",
+            ])
+            .arg(format!(
+                "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
+                self.name
+            ))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
@@ -109,10 +127,19 @@ impl Etcd {
         let child = Command::new("etcd")
             .args(["--name", "t", "--data-dir"])
             .arg(dir.0.join("data"))
-            .args(["--listen-client-urls", &format!("http://127.0.0.1:{client}")])
-            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{client}")])
+            .args([
+                "--listen-client-urls",
+                &format!("http://127.0.0.1:{client}"),
+            ])
+            .args([
+                "--advertise-client-urls",
+                &format!("http://127.0.0.1:{client}"),
+            ])
             .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
-            .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args([
+                "--initial-advertise-peer-urls",
+                &format!("http://127.0.0.1:{peer}"),
+            ])
             .args(["--initial-cluster", &format!("t=http://127.0.0.1:{peer}")])
             .stdout(Stdio::null())
             .stderr(log)
@@ -121,7 +148,10 @@ impl Etcd {
         let endpoint = format!("http://127.0.0.1:{client}");
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
-            assert!(Instant::now() < deadline, "etcd did not listen on {endpoint}");
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not listen on {endpoint}"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         Etcd {
@@ -144,7 +174,11 @@ pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(Path::parent).unwrap();
     let path = dir.join(name);
-    assert!(path.exists(), "{} is missing: run `cargo build --bins` before the tests", path.display());
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --bins` before the tests",
+        path.display()
+    );
     path
 }
 
@@ -156,7 +190,13 @@ pub struct Process {
 }
 
 impl Process {
-    pub fn spawn(name: &str, program: &Path, args: &[&str], env: &[(&str, &str)], dir: &Path) -> Process {
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        dir: &Path,
+    ) -> Process {
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let mut command = Command::new(program);
@@ -251,16 +291,18 @@ impl Default for TaskSettings {
 }
 
 /// Source, target and control databases, etcd, a coordinator and any number of workers.
+/// Fields drop in declaration order: processes first (printing their logs when a test
+/// fails), then etcd and the databases, then the directory holding the logs.
 pub struct Cluster {
+    pub workers: Vec<Process>,
+    pub coordinator: Option<Process>,
+    pub etcd: Etcd,
     pub source: TestDb,
     pub target: TestDb,
     pub control: TestDb,
-    pub etcd: Etcd,
     pub dir: TempDir,
     pub address: String,
     pub config_path: PathBuf,
-    pub coordinator: Option<Process>,
-    pub workers: Vec<Process>,
 }
 
 impl Cluster {
@@ -282,7 +324,12 @@ impl Cluster {
     pub fn write_config(&mut self, task: &TaskSettings) -> PathBuf {
         let port = free_port();
         self.address = format!("http://127.0.0.1:{port}");
-        let key = task.key.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", ");
+        let key = task
+            .key
+            .iter()
+            .map(|k| format!("{k:?}"))
+            .collect::<Vec<_>>()
+            .join(", ");
         let config = format!(
             r#"[coordinator]
 listen = "127.0.0.1:{port}"
@@ -338,9 +385,15 @@ poll_interval = "{poll}"
                 return;
             }
             if let Some(status) = self.coordinator.as_mut().unwrap().child.try_wait().unwrap() {
-                panic!("coordinator exited with {status}: {}", self.coordinator.as_ref().unwrap().log_text());
+                panic!(
+                    "coordinator exited with {status}: {}",
+                    self.coordinator.as_ref().unwrap().log_text()
+                );
             }
-            assert!(Instant::now() < deadline, "coordinator did not answer within 60 s");
+            assert!(
+                Instant::now() < deadline,
+                "coordinator did not answer within 60 s"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -350,7 +403,14 @@ poll_interval = "{poll}"
         let worker = Process::spawn(
             id,
             &binary("tidemark-worker"),
-            &["--coordinator", &self.address, "--id", id, "--max-shards", &max],
+            &[
+                "--coordinator",
+                &self.address,
+                "--id",
+                id,
+                "--max-shards",
+                &max,
+            ],
             env,
             &self.dir.0,
         );
@@ -359,7 +419,9 @@ poll_interval = "{poll}"
     }
 
     pub async fn try_status(&self) -> Option<pb::StatusResponse> {
-        let mut client = AdminServiceClient::connect(self.address.clone()).await.ok()?;
+        let mut client = AdminServiceClient::connect(self.address.clone())
+            .await
+            .ok()?;
         Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
     }
 
@@ -369,7 +431,12 @@ poll_interval = "{poll}"
     }
 
     /// Polls status until `done` holds; panics with the last status after `timeout`.
-    pub async fn wait_for(&self, what: &str, timeout: Duration, done: impl Fn(&pb::TaskStatus) -> bool) -> pb::TaskStatus {
+    pub async fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&pb::TaskStatus) -> bool,
+    ) -> pb::TaskStatus {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.try_status().await
@@ -438,7 +505,12 @@ impl Diff {
     }
 }
 
-async fn key_states(pool: &PgPool, key: &[&str], columns: &[&str], version_expr: &str) -> BTreeMap<String, KeyState> {
+async fn key_states(
+    pool: &PgPool,
+    key: &[&str],
+    columns: &[&str],
+    version_expr: &str,
+) -> BTreeMap<String, KeyState> {
     let key_expr = format!("json_build_array({})::text", key.join(", "));
     let row_expr = format!("json_build_array({})::text", columns.join(", "));
     let sql = format!("SELECT {key_expr}, {row_expr}, {version_expr} FROM items");
@@ -462,8 +534,20 @@ async fn key_states(pool: &PgPool, key: &[&str], columns: &[&str], version_expr:
 /// Expected(Source, boundary = everything committed before the watermark, deletes = none):
 /// every source key present in the target with every column equal and version = the cursor
 /// time in microseconds; no other keys in the target.
-pub async fn compare(source: &PgPool, target: &PgPool, key: &[&str], columns: &[&str], cursor: &str) -> Diff {
-    let expected = key_states(source, key, columns, &format!("(extract(epoch from {cursor}) * 1000000)::bigint")).await;
+pub async fn compare(
+    source: &PgPool,
+    target: &PgPool,
+    key: &[&str],
+    columns: &[&str],
+    cursor: &str,
+) -> Diff {
+    let expected = key_states(
+        source,
+        key,
+        columns,
+        &format!("(extract(epoch from {cursor}) * 1000000)::bigint"),
+    )
+    .await;
     let actual = key_states(target, key, columns, "_tidemark_version").await;
     let mut diff = Diff {
         keys: expected.len(),
@@ -472,11 +556,17 @@ pub async fn compare(source: &PgPool, target: &PgPool, key: &[&str], columns: &[
     for (key, want) in &expected {
         match actual.get(key) {
             None => diff.lost.push(key.clone()),
-            Some(have) if have != want => diff.stale.push((key.clone(), want.clone(), have.clone())),
+            Some(have) if have != want => {
+                diff.stale.push((key.clone(), want.clone(), have.clone()))
+            }
             Some(_) => {}
         }
     }
-    diff.phantom = actual.keys().filter(|k| !expected.contains_key(*k)).cloned().collect();
+    diff.phantom = actual
+        .keys()
+        .filter(|k| !expected.contains_key(*k))
+        .cloned()
+        .collect();
     diff
 }
 
@@ -488,7 +578,16 @@ pub enum KeyKind {
 }
 
 /// Columns compared per key (every column of the fixture).
-pub const ITEM_COLUMNS: &[&str] = &["id", "seq", "name", "qty", "price", "payload", "note", "updated_at"];
+pub const ITEM_COLUMNS: &[&str] = &[
+    "id",
+    "seq",
+    "name",
+    "qty",
+    "price",
+    "payload",
+    "note",
+    "updated_at",
+];
 
 /// Creates `items` with `rows` rows: text with tabs, newlines, backslashes, quotes and
 /// non-ASCII; NULLs; numerics; jsonb; cursor times spread over the last hour with ties.
@@ -511,7 +610,14 @@ pub async fn create_items(db: &TestDb, key: KeyKind, rows: i64) {
         CREATE INDEX items_cursor ON items (updated_at, id);"
     ))
     .await;
-    insert_items(db, key, 1, rows, "now() - interval '1 hour' + (g % 3600) * interval '1 second'").await;
+    insert_items(
+        db,
+        key,
+        1,
+        rows,
+        "now() - interval '1 hour' + (g % 3600) * interval '1 second'",
+    )
+    .await;
 }
 
 /// Inserts rows with `seq` in `[first, first + count)`; `updated_at` is the given SQL over `g`.

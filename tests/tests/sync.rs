@@ -5,7 +5,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use tidemark_tests::{Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, binary, compare, create_items, write_changes};
+use tidemark_tests::{
+    Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, binary, compare, create_items, write_changes,
+};
 
 async fn snapshot_then_incremental(tag: &str, key: KeyKind) {
     let rows = 200_000;
@@ -18,19 +20,40 @@ async fn snapshot_then_incremental(tag: &str, key: KeyKind) {
     }
 
     let status = cluster
-        .wait_for("snapshot complete", Duration::from_secs(300), |t| t.snapshot_complete)
+        .wait_for("snapshot complete", Duration::from_secs(300), |t| {
+            t.snapshot_complete
+        })
         .await;
     assert_eq!(status.shards.len(), 8);
     let owners: BTreeSet<&str> = status.shards.iter().map(|s| s.owner.as_str()).collect();
-    assert_eq!(owners.len(), 3, "8 shards over 3 workers with at most 3 each: {owners:?}");
-    compare(&cluster.source.pool, &cluster.target.pool, &["id"], ITEM_COLUMNS, "updated_at")
-        .await
-        .assert_clean("after the snapshot");
+    assert_eq!(
+        owners.len(),
+        3,
+        "8 shards over 3 workers with at most 3 each: {owners:?}"
+    );
+    compare(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        &["id"],
+        ITEM_COLUMNS,
+        "updated_at",
+    )
+    .await
+    .assert_clean("after the snapshot");
 
     // 5,000 updates and 5,000 inserts while the workers run.
     let writes_end = write_changes(&cluster.source, key, rows, 20).await;
-    cluster.wait_for_watermark(writes_end, Duration::from_secs(120)).await;
-    let diff = compare(&cluster.source.pool, &cluster.target.pool, &["id"], ITEM_COLUMNS, "updated_at").await;
+    cluster
+        .wait_for_watermark(writes_end, Duration::from_secs(120))
+        .await;
+    let diff = compare(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        &["id"],
+        ITEM_COLUMNS,
+        "updated_at",
+    )
+    .await;
     diff.assert_clean("after 5k updates and 5k inserts");
     assert_eq!(diff.keys, 205_000);
 
@@ -39,7 +62,11 @@ async fn snapshot_then_incremental(tag: &str, key: KeyKind) {
         .args(["status", "--coordinator", &cluster.address, "--json"])
         .output()
         .unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     let task = &json["tasks"][0];
     assert_eq!(task["name"], "items");
@@ -48,10 +75,24 @@ async fn snapshot_then_incremental(tag: &str, key: KeyKind) {
     assert_eq!(task["epoch"], 1);
     assert!(task["rows_applied"].as_u64().unwrap() >= 210_000);
     let watermark = task["watermark"].as_str().unwrap();
-    assert!(watermark.ends_with('Z') && watermark.len() == "2026-01-01T00:00:00.000Z".len(), "{watermark}");
+    assert!(
+        watermark.ends_with('Z') && watermark.len() == "2026-01-01T00:00:00.000Z".len(),
+        "{watermark}"
+    );
     let shard = &task["shards"][0];
-    for field in ["id", "range", "owner", "phase", "state", "rows_applied", "cursor"] {
-        assert!(shard.get(field).is_some(), "shard field {field} missing: {shard}");
+    for field in [
+        "id",
+        "range",
+        "owner",
+        "phase",
+        "state",
+        "rows_applied",
+        "cursor",
+    ] {
+        assert!(
+            shard.get(field).is_some(),
+            "shard field {field} missing: {shard}"
+        );
     }
 }
 

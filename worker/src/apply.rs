@@ -17,7 +17,12 @@ pub enum ApplyOutcome {
     AlreadyApplied,
 }
 
-pub async fn apply_batch(target: &PgPool, sql: &TableSql, manifest: &Manifest, data: &Bytes) -> Result<ApplyOutcome, WorkerError> {
+pub async fn apply_batch(
+    target: &PgPool,
+    sql: &TableSql,
+    manifest: &Manifest,
+    data: &Bytes,
+) -> Result<ApplyOutcome, WorkerError> {
     match apply_once(target, sql, manifest, data).await {
         Ok(outcome) => {
             verify(target, manifest).await?;
@@ -34,7 +39,12 @@ pub async fn apply_batch(target: &PgPool, sql: &TableSql, manifest: &Manifest, d
     }
 }
 
-async fn apply_once(target: &PgPool, sql: &TableSql, manifest: &Manifest, data: &Bytes) -> Result<ApplyOutcome, WorkerError> {
+async fn apply_once(
+    target: &PgPool,
+    sql: &TableSql,
+    manifest: &Manifest,
+    data: &Bytes,
+) -> Result<ApplyOutcome, WorkerError> {
     let mut tx = target.begin().await?;
     let applied = sqlx::query("SELECT 1 FROM tidemark_ledger WHERE batch_id = $1")
         .bind(&manifest.batch_id)
@@ -44,7 +54,9 @@ async fn apply_once(target: &PgPool, sql: &TableSql, manifest: &Manifest, data: 
         tx.rollback().await?;
         return Ok(ApplyOutcome::AlreadyApplied);
     }
-    sqlx::query(sqlx::AssertSqlSafe(sql.create_stage_table())).execute(&mut *tx).await?;
+    sqlx::query(sqlx::AssertSqlSafe(sql.create_stage_table()))
+        .execute(&mut *tx)
+        .await?;
     let mut copy = tx.copy_in_raw(&sql.copy_into_stage()).await?;
     copy.send(data.as_ref()).await?;
     let copied = copy.finish().await?;
@@ -54,7 +66,9 @@ async fn apply_once(target: &PgPool, sql: &TableSql, manifest: &Manifest, data: 
             manifest.batch_id, manifest.row_count
         )));
     }
-    sqlx::query(sqlx::AssertSqlSafe(sql.upsert_from_stage())).execute(&mut *tx).await?;
+    sqlx::query(sqlx::AssertSqlSafe(sql.upsert_from_stage()))
+        .execute(&mut *tx)
+        .await?;
     let inserted = sqlx::query(
         "INSERT INTO tidemark_ledger (batch_id, task, epoch, shard_id, row_count, content_hash, fence) \
          VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (batch_id) DO NOTHING",
@@ -80,11 +94,14 @@ async fn apply_once(target: &PgPool, sql: &TableSql, manifest: &Manifest, data: 
 
 /// The ledger holds the batch with the manifest's row count and content.
 async fn verify(target: &PgPool, manifest: &Manifest) -> Result<(), WorkerError> {
-    let row = sqlx::query("SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = $1")
-        .bind(&manifest.batch_id)
-        .fetch_optional(target)
-        .await?
-        .ok_or_else(|| WorkerError::Verify(format!("batch {} is not in the ledger", manifest.batch_id)))?;
+    let row =
+        sqlx::query("SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = $1")
+            .bind(&manifest.batch_id)
+            .fetch_optional(target)
+            .await?
+            .ok_or_else(|| {
+                WorkerError::Verify(format!("batch {} is not in the ledger", manifest.batch_id))
+            })?;
     let row_count: i64 = row.get(0);
     let content_hash: String = row.get(1);
     if row_count as u64 != manifest.row_count || content_hash != manifest.content_hash {

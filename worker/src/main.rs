@@ -11,7 +11,11 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 #[derive(Parser)]
-#[command(name = "tidemark-worker", version, about = "Tidemark worker: pulls shards from the coordinator and syncs them")]
+#[command(
+    name = "tidemark-worker",
+    version,
+    about = "Tidemark worker: pulls shards from the coordinator and syncs them"
+)]
 struct Cli {
     /// Coordinator gRPC address, e.g. http://127.0.0.1:7400.
     #[arg(long, env = "TIDEMARK_COORDINATOR")]
@@ -59,7 +63,9 @@ async fn run(cli: Cli, worker_id: String) -> Result<(), WorkerError> {
     let resources = ResourceCache::default();
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
-        let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+        let mut terminate =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("signal handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = terminate.recv() => {}
@@ -84,7 +90,16 @@ async fn run(cli: Cli, worker_id: String) -> Result<(), WorkerError> {
             Duration::from_millis(registration.lease_ttl_ms),
             lease_lost.0,
         ));
-        run_lease(&cli, &worker_id, lease_id, &client, &resources, stop_rx.clone(), lease_lost.1).await;
+        run_lease(
+            &cli,
+            &worker_id,
+            lease_id,
+            &client,
+            &resources,
+            stop_rx.clone(),
+            lease_lost.1,
+        )
+        .await;
         heartbeat.abort();
     }
     tracing::info!(worker = %worker_id, "worker stopped");
@@ -113,7 +128,10 @@ async fn keep_lease(
             Err(status) => {
                 tracing::warn!(lease_id, code = ?status.code(), message = status.message(), "heartbeat failed");
                 if last_renewed.elapsed() > ttl {
-                    tracing::warn!(lease_id, "lease not renewed within its TTL; dropping all shards");
+                    tracing::warn!(
+                        lease_id,
+                        "lease not renewed within its TTL; dropping all shards"
+                    );
                     let _ = lost.send(true);
                     return;
                 }
@@ -194,7 +212,11 @@ async fn spawn_shard(
 ) {
     let release = pb::ReleaseShardRequest {
         worker_id: worker_id.to_string(),
-        task: assignment.task.as_ref().map(|t| t.name.clone()).unwrap_or_default(),
+        task: assignment
+            .task
+            .as_ref()
+            .map(|t| t.name.clone())
+            .unwrap_or_default(),
         epoch: assignment.epoch,
         shard_id: assignment.shard_id,
         fence_token: assignment.fence_token,
@@ -231,8 +253,12 @@ async fn spawn_shard(
 async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) {
     if let Some(release) = &ended.release {
         match &ended.result {
-            Ok(()) => tracing::info!(task = %release.task, shard = release.shard_id, "shard stopped"),
-            Err(error) => tracing::warn!(task = %release.task, shard = release.shard_id, %error, "shard ended with an error; releasing it"),
+            Ok(()) => {
+                tracing::info!(task = %release.task, shard = release.shard_id, "shard stopped")
+            }
+            Err(error) => {
+                tracing::warn!(task = %release.task, shard = release.shard_id, %error, "shard ended with an error; releasing it")
+            }
         }
         if let Err(error) = client.release_shard(release.clone()).await {
             tracing::warn!(task = %release.task, shard = release.shard_id, %error, "release failed; the lease will expire instead");

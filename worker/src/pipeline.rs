@@ -42,16 +42,29 @@ struct Bounds {
 }
 
 impl ShardRun {
-    pub fn from_assignment(worker_id: &str, assignment: &pb::ShardAssignment, resources: TaskResources) -> Result<ShardRun, WorkerError> {
+    pub fn from_assignment(
+        worker_id: &str,
+        assignment: &pb::ShardAssignment,
+        resources: TaskResources,
+    ) -> Result<ShardRun, WorkerError> {
         let bad = |what: &str, e: String| WorkerError::Assignment(format!("{what}: {e}"));
-        let task = assignment.task.clone().ok_or_else(|| WorkerError::Assignment("no task spec".into()))?;
-        let range = ShardRange::decode(&assignment.range).map_err(|e| bad("range", e.to_string()))?;
-        let cursor = Cursor::decode(&assignment.cursor).map_err(|e| bad("cursor", e.to_string()))?;
-        let incremental_start = Cursor::decode(&assignment.incremental_start).map_err(|e| bad("incremental start", e.to_string()))?;
+        let task = assignment
+            .task
+            .clone()
+            .ok_or_else(|| WorkerError::Assignment("no task spec".into()))?;
+        let range =
+            ShardRange::decode(&assignment.range).map_err(|e| bad("range", e.to_string()))?;
+        let cursor =
+            Cursor::decode(&assignment.cursor).map_err(|e| bad("cursor", e.to_string()))?;
+        let incremental_start = Cursor::decode(&assignment.incremental_start)
+            .map_err(|e| bad("incremental start", e.to_string()))?;
         let snapshot_max_key = if assignment.snapshot_max_key.is_empty() {
             None
         } else {
-            Some(serde_json::from_str(&assignment.snapshot_max_key).map_err(|e| bad("snapshot max key", e.to_string()))?)
+            Some(
+                serde_json::from_str(&assignment.snapshot_max_key)
+                    .map_err(|e| bad("snapshot max key", e.to_string()))?,
+            )
         };
         let sql = TableSql {
             source: TableName::parse(&task.source_table).map_err(|e| bad("source table", e))?,
@@ -111,10 +124,20 @@ impl ShardRun {
 
     /// Re-applies exactly the staged batch that a previous owner left uncommitted
     /// (invariant 2: never re-extract it with fresher bounds).
-    async fn replay(&mut self, client: &CoordinatorClient, pending: &pb::PendingBatch) -> Result<(), WorkerError> {
-        let (manifest, data) = self.resources.staging.read_batch(&pending.manifest_path).await?;
-        let lower = Cursor::decode(&manifest.lower).map_err(|e| WorkerError::Data(e.to_string()))?;
-        let upper = Cursor::decode(&manifest.upper).map_err(|e| WorkerError::Data(e.to_string()))?;
+    async fn replay(
+        &mut self,
+        client: &CoordinatorClient,
+        pending: &pb::PendingBatch,
+    ) -> Result<(), WorkerError> {
+        let (manifest, data) = self
+            .resources
+            .staging
+            .read_batch(&pending.manifest_path)
+            .await?;
+        let lower =
+            Cursor::decode(&manifest.lower).map_err(|e| WorkerError::Data(e.to_string()))?;
+        let upper =
+            Cursor::decode(&manifest.upper).map_err(|e| WorkerError::Data(e.to_string()))?;
         if lower != self.cursor || manifest.batch_id != pending.batch_id {
             return Err(WorkerError::Assignment(format!(
                 "pending batch {} does not start at the committed cursor",
@@ -140,10 +163,18 @@ impl ShardRun {
         let page_size = self.task.page_size;
         let (statement, high) = match &self.cursor.position {
             Position::Snapshot { after_key } => (
-                self.sql.snapshot_page(&self.range, after_key.as_deref(), self.snapshot_max_key.as_ref(), page_size),
+                self.sql.snapshot_page(
+                    &self.range,
+                    after_key.as_deref(),
+                    self.snapshot_max_key.as_ref(),
+                    page_size,
+                ),
                 None,
             ),
-            Position::Incremental { t_micros, after_key } => {
+            Position::Incremental {
+                t_micros,
+                after_key,
+            } => {
                 let now = source_now_micros(&self.resources.source).await?;
                 let high = now - (self.task.safety_delay_ms as i64) * 1000;
                 if high <= *t_micros {
@@ -151,7 +182,13 @@ impl ShardRun {
                     return Ok(true);
                 }
                 (
-                    self.sql.incremental_page(&self.range, *t_micros, after_key.as_deref(), high, page_size),
+                    self.sql.incremental_page(
+                        &self.range,
+                        *t_micros,
+                        after_key.as_deref(),
+                        high,
+                        page_size,
+                    ),
                     Some(high),
                 )
             }
@@ -213,7 +250,11 @@ impl ShardRun {
             data_path: String::new(),
             data_format: DATA_FORMAT_PG_COPY_TEXT.to_string(),
         };
-        let manifest_path = self.resources.staging.write_batch(&mut manifest, page.data.clone()).await?;
+        let manifest_path = self
+            .resources
+            .staging
+            .write_batch(&mut manifest, page.data.clone())
+            .await?;
         crash::point("after_stage");
         client
             .register_batch(pb::RegisterBatchRequest {
@@ -240,7 +281,13 @@ impl ShardRun {
         Ok(!full)
     }
 
-    async fn commit(&mut self, client: &CoordinatorClient, bounds: Bounds, empty: bool, replayed: bool) -> Result<(), WorkerError> {
+    async fn commit(
+        &mut self,
+        client: &CoordinatorClient,
+        bounds: Bounds,
+        empty: bool,
+        replayed: bool,
+    ) -> Result<(), WorkerError> {
         let response = client
             .commit_batch(pb::CommitBatchRequest {
                 worker_id: self.worker_id.clone(),

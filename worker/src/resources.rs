@@ -27,7 +27,11 @@ pub struct ResourceCache {
 impl ResourceCache {
     /// Pools connect lazily, so an unreachable database shows as an error on first use and
     /// the shard is retried, rather than failing here.
-    pub async fn for_task(&self, spec: &pb::TaskSpec, max_shards: u32) -> Result<TaskResources, WorkerError> {
+    pub async fn for_task(
+        &self,
+        spec: &pb::TaskSpec,
+        max_shards: u32,
+    ) -> Result<TaskResources, WorkerError> {
         let mut tasks = self.tasks.lock().await;
         if let Some(resources) = tasks.get(&spec.name) {
             return Ok(resources.clone());
@@ -38,7 +42,10 @@ impl ResourceCache {
         let pool = |url: &str| -> Result<PgPool, WorkerError> {
             let options = connect_options(url, "tidemark-worker")
                 .map_err(WorkerError::Assignment)?
-                .options([("lock_timeout", guard_ms.as_str()), ("idle_in_transaction_session_timeout", guard_ms.as_str())]);
+                .options([
+                    ("lock_timeout", guard_ms.as_str()),
+                    ("idle_in_transaction_session_timeout", guard_ms.as_str()),
+                ]);
             Ok(PgPoolOptions::new()
                 .max_connections(max_shards + 1)
                 .acquire_timeout(Duration::from_secs(10))

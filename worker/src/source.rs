@@ -18,7 +18,11 @@ pub struct Page {
     pub last: Option<(Vec<KeyValue>, i64)>,
 }
 
-pub async fn read_page(source: &PgPool, sql: &TableSql, statement: &str) -> Result<Page, WorkerError> {
+pub async fn read_page(
+    source: &PgPool,
+    sql: &TableSql,
+    statement: &str,
+) -> Result<Page, WorkerError> {
     let mut conn = source.acquire().await?;
     let mut stream = conn.copy_out_raw(statement).await?;
     let mut buffer = BytesMut::new();
@@ -37,7 +41,11 @@ pub async fn read_page(source: &PgPool, sql: &TableSql, statement: &str) -> Resu
         None => None,
         Some(row) => Some(decode_position(sql, row)?),
     };
-    Ok(Page { data, row_count, last })
+    Ok(Page {
+        data,
+        row_count,
+        last,
+    })
 }
 
 /// The key values and the version (cursor time) of a staged row.
@@ -53,7 +61,12 @@ fn decode_position(sql: &TableSql, row: &[u8]) -> Result<(Vec<KeyValue>, i64), W
         .key_positions()
         .into_iter()
         .zip(sql.key_types())
-        .map(|(index, sql_type)| Ok(KeyValue { sql_type, value: field(index)? }))
+        .map(|(index, sql_type)| {
+            Ok(KeyValue {
+                sql_type,
+                value: field(index)?,
+            })
+        })
         .collect::<Result<Vec<_>, WorkerError>>()?;
     let version_text = field(sql.columns.len())?;
     let version = version_text
@@ -64,7 +77,9 @@ fn decode_position(sql: &TableSql, row: &[u8]) -> Result<(Vec<KeyValue>, i64), W
 
 /// The source's clock, in microseconds since the Unix epoch.
 pub async fn source_now_micros(source: &PgPool) -> Result<i64, WorkerError> {
-    Ok(sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
-        .fetch_one(source)
-        .await?)
+    Ok(
+        sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
+            .fetch_one(source)
+            .await?,
+    )
 }

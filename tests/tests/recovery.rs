@@ -1,0 +1,406 @@
+//! Crashes and fencing: a worker killed mid-snapshot, a pending batch replayed from staging,
+//! a zombie's commit refused, and thousands of rows sharing one millisecond split over pages
+//! with a crash between them. Boundary: everything committed before the watermark; deletes:
+//! none.
+
+use std::time::Duration;
+
+use sqlx::Row;
+use tidemark_common::cursor::{Cursor, KeyValue, Position};
+use tidemark_proto::v1 as pb;
+use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
+use tidemark_tests::{
+    Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, compare, create_items, insert_items,
+};
+
+/// Every committed batch is in the target ledger exactly once with the registered content,
+/// and per shard the checkpoint history never goes backwards.
+async fn assert_batch_protocol_held(cluster: &Cluster) {
+    let committed = sqlx::query(
+        "SELECT batch_id, row_count, content_hash FROM batches WHERE state = 'COMMITTED'",
+    )
+    .fetch_all(&cluster.control.pool)
+    .await
+    .unwrap();
+    assert!(!committed.is_empty());
+    for row in &committed {
+        let batch_id: String = row.get(0);
+        let ledger =
+            sqlx::query("SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = $1")
+                .bind(&batch_id)
+                .fetch_optional(&cluster.target.pool)
+                .await
+                .unwrap()
+                .unwrap_or_else(|| {
+                    panic!("committed batch {batch_id} is not in the target ledger")
+                });
+        assert_eq!(
+            ledger.get::<i64, _>(0),
+            row.get::<i64, _>(1),
+            "row count of {batch_id}"
+        );
+        assert_eq!(
+            ledger.get::<String, _>(1),
+            row.get::<String, _>(2),
+            "content of {batch_id}"
+        );
+    }
+    let history = sqlx::query(
+        "SELECT shard_id, version, fence FROM checkpoint_history ORDER BY shard_id, id",
+    )
+    .fetch_all(&cluster.control.pool)
+    .await
+    .unwrap();
+    for pair in history.windows(2) {
+        if pair[0].get::<i32, _>(0) != pair[1].get::<i32, _>(0) {
+            continue;
+        }
+        let shard: i32 = pair[0].get(0);
+        assert!(
+            pair[1].get::<i64, _>(1) > pair[0].get::<i64, _>(1),
+            "version went backwards on shard {shard}"
+        );
+        assert!(
+            pair[1].get::<i64, _>(2) >= pair[0].get::<i64, _>(2),
+            "fence went backwards on shard {shard}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_killed_mid_snapshot_and_pending_batch_replayed() {
+    let rows = 200_000;
+    let mut cluster = Cluster::new("kill").await;
+    create_items(&cluster.source, KeyKind::Bigint, rows).await;
+    let settings = TaskSettings {
+        page_size: 1000,
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    // This worker aborts right after registering its third batch: staged and registered,
+    // never applied or committed. Whoever takes the shard must replay exactly that batch.
+    let crasher = cluster.spawn_worker("crasher", 4, &[("TIDEMARK_CRASH_AT", "after_register:3")]);
+    let victim = cluster.spawn_worker("victim", 4, &[]);
+    let exit = cluster.workers[crasher]
+        .wait_exit(Duration::from_secs(60))
+        .expect("crasher reached its crash point");
+    assert!(!exit.success(), "the crash point aborts the process");
+
+    // kill -9 the other worker in the middle of the snapshot.
+    let status = cluster
+        .wait_for("20k rows applied", Duration::from_secs(60), |t| {
+            t.rows_applied >= 20_000
+        })
+        .await;
+    cluster.workers[victim].kill9();
+    assert!(
+        !status.snapshot_complete,
+        "the kill must land mid-snapshot: {status:?}"
+    );
+    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM batches WHERE state = 'STAGED'")
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap();
+    assert!(
+        pending >= 1,
+        "the crasher left a registered, uncommitted batch"
+    );
+
+    cluster.spawn_worker("rescuer", 8, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| {
+            t.snapshot_complete
+        })
+        .await;
+    compare(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        &["id"],
+        ITEM_COLUMNS,
+        "updated_at",
+    )
+    .await
+    .assert_clean("after the kills");
+
+    // The crasher's batch was re-applied from staging by the new owner and committed once.
+    let replayed =
+        sqlx::query("SELECT batch_id, fence FROM batches WHERE replayed AND state = 'COMMITTED'")
+            .fetch_all(&cluster.control.pool)
+            .await
+            .unwrap();
+    assert!(!replayed.is_empty(), "a pending batch was replayed");
+    for row in &replayed {
+        let batch_id: String = row.get(0);
+        let registered_fence: i64 = row.get(1);
+        let committed_fence: i64 =
+            sqlx::query_scalar("SELECT fence FROM checkpoint_history WHERE batch_id = $1")
+                .bind(&batch_id)
+                .fetch_one(&cluster.control.pool)
+                .await
+                .unwrap();
+        assert!(
+            committed_fence > registered_fence,
+            "replayed batch {batch_id} was committed by a later owner"
+        );
+    }
+    let rescuer_log = cluster.workers.last().unwrap().log_text();
+    let victim_log = cluster.workers[victim].log_text();
+    assert!(
+        rescuer_log.contains("replayed pending batch from staging")
+            || victim_log.contains("replayed pending batch from staging"),
+        "a worker logged the replay"
+    );
+    assert_batch_protocol_held(&cluster).await;
+}
+
+async fn worker_client(cluster: &Cluster) -> WorkerServiceClient<tonic::transport::Channel> {
+    WorkerServiceClient::connect(cluster.address.clone())
+        .await
+        .unwrap()
+}
+
+async fn checkpoint_row(cluster: &Cluster, shard_id: u32) -> (serde_json::Value, i64, i64) {
+    let row = sqlx::query("SELECT cursor, version, fence FROM checkpoints WHERE shard_id = $1")
+        .bind(shard_id as i32)
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap();
+    (row.get(0), row.get(1), row.get(2))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_with_a_stale_fence_is_refused() {
+    let mut cluster = Cluster::new("fence").await;
+    create_items(&cluster.source, KeyKind::Bigint, 1000).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 1,
+            ..TaskSettings::default()
+        })
+        .await;
+    let mut client = worker_client(&cluster).await;
+
+    // A first owner takes the shard, then loses it to a second owner.
+    let zombie_lease = client
+        .register_worker(pb::RegisterWorkerRequest {
+            worker_id: "zombie".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    let zombie = client
+        .acquire_shard(pb::AcquireShardRequest {
+            worker_id: "zombie".into(),
+            lease_id: zombie_lease,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .assignment
+        .expect("a free shard");
+    client
+        .release_shard(pb::ReleaseShardRequest {
+            worker_id: "zombie".into(),
+            task: "items".into(),
+            epoch: zombie.epoch,
+            shard_id: zombie.shard_id,
+            fence_token: zombie.fence_token,
+        })
+        .await
+        .unwrap();
+    let owner_lease = client
+        .register_worker(pb::RegisterWorkerRequest {
+            worker_id: "owner".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    let owner = client
+        .acquire_shard(pb::AcquireShardRequest {
+            worker_id: "owner".into(),
+            lease_id: owner_lease,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .assignment
+        .expect("the released shard");
+    assert_eq!(owner.shard_id, zombie.shard_id);
+    assert!(
+        owner.fence_token > zombie.fence_token,
+        "fence tokens increase per ownership"
+    );
+    let before = checkpoint_row(&cluster, owner.shard_id).await;
+
+    let upper = Cursor::new(
+        zombie.epoch,
+        Position::Snapshot {
+            after_key: Some(vec![KeyValue {
+                sql_type: "bigint".into(),
+                value: "500".into(),
+            }]),
+        },
+    );
+    let commit = |fence_token: u64, expected_version: u64| pb::CommitBatchRequest {
+        worker_id: "zombie".into(),
+        task: "items".into(),
+        epoch: zombie.epoch,
+        shard_id: zombie.shard_id,
+        fence_token,
+        expected_version,
+        batch_id: "empty-advance".into(),
+        lower: zombie.cursor.clone(),
+        upper: upper.encode(),
+        row_count: 0,
+        empty: true,
+        replayed: false,
+    };
+    let refused = client
+        .commit_batch(commit(zombie.fence_token, zombie.checkpoint_version))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message().contains("fenced"),
+        "{}",
+        refused.message()
+    );
+    let refused_register = client
+        .register_batch(pb::RegisterBatchRequest {
+            worker_id: "zombie".into(),
+            task: "items".into(),
+            epoch: zombie.epoch,
+            shard_id: zombie.shard_id,
+            fence_token: zombie.fence_token,
+            batch_id: "b".into(),
+            lower: zombie.cursor.clone(),
+            upper: upper.encode(),
+            row_count: 1,
+            byte_size: 1,
+            content_hash: "sha256:00".into(),
+            manifest_path: "x".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused_register.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(
+        checkpoint_row(&cluster, owner.shard_id).await,
+        before,
+        "the checkpoint did not move"
+    );
+
+    // The current owner's commit goes through; repeating it with the old version is refused.
+    let accepted = client
+        .commit_batch(commit(owner.fence_token, owner.checkpoint_version))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(accepted.new_version, owner.checkpoint_version + 1);
+    let (cursor, version, fence) = checkpoint_row(&cluster, owner.shard_id).await;
+    assert_eq!(Cursor::decode(&cursor.to_string()).unwrap(), upper);
+    assert_eq!(
+        (version, fence),
+        (
+            owner.checkpoint_version as i64 + 1,
+            owner.fence_token as i64
+        )
+    );
+    let conflict = client
+        .commit_batch(commit(owner.fence_token, owner.checkpoint_version))
+        .await
+        .unwrap_err();
+    assert_eq!(conflict.code(), tonic::Code::Aborted, "{conflict:?}");
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM checkpoint_history")
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 0, "empty advances leave no batch history");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_thousand_rows_in_one_millisecond_survive_a_crash_between_pages() {
+    let mut cluster = Cluster::new("tie").await;
+    create_items(&cluster.source, KeyKind::Bigint, 0).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 1,
+            page_size: 1000,
+            ..TaskSettings::default()
+        })
+        .await;
+    // Aborts right after its second committed page.
+    let first = cluster.spawn_worker("first", 1, &[("TIDEMARK_CRASH_AT", "after_commit:2")]);
+    cluster
+        .wait_for(
+            "snapshot of the empty table",
+            Duration::from_secs(60),
+            |t| t.snapshot_complete,
+        )
+        .await;
+
+    // One transaction, one now(): 4,000 rows share one millisecond.
+    insert_items(&cluster.source, KeyKind::Bigint, 1, 4000, "now()").await;
+    let distinct: i64 = sqlx::query_scalar("SELECT count(DISTINCT updated_at) FROM items")
+        .fetch_one(&cluster.source.pool)
+        .await
+        .unwrap();
+    assert_eq!(distinct, 1);
+
+    let exit = cluster.workers[first]
+        .wait_exit(Duration::from_secs(60))
+        .expect("the first worker crashes after page 2");
+    assert!(!exit.success());
+    let (cursor, _, _) = checkpoint_row(&cluster, 0).await;
+    let cursor = Cursor::decode(&cursor.to_string()).unwrap();
+    match &cursor.position {
+        Position::Incremental {
+            after_key: Some(key),
+            ..
+        } => assert_eq!(key[0].value, "2000", "two pages of 1,000 committed"),
+        other => panic!("expected a mid-millisecond cursor, got {other:?}"),
+    }
+
+    cluster.spawn_worker("second", 1, &[]);
+    let end = cluster.source_now_micros().await;
+    cluster
+        .wait_for_watermark(end, Duration::from_secs(60))
+        .await;
+    let diff = compare(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        &["id"],
+        ITEM_COLUMNS,
+        "updated_at",
+    )
+    .await;
+    diff.assert_clean("4,000 rows sharing one millisecond");
+    assert_eq!(diff.keys, 4000);
+
+    // None skipped, none read twice: four batches of 1,000 whose bounds chain.
+    let batches = sqlx::query("SELECT row_count, lower, upper FROM batches WHERE state = 'COMMITTED' ORDER BY committed_at")
+        .fetch_all(&cluster.control.pool)
+        .await
+        .unwrap();
+    let counts: Vec<i64> = batches.iter().map(|b| b.get(0)).collect();
+    assert_eq!(counts, vec![1000, 1000, 1000, 1000]);
+    for pair in batches.windows(2) {
+        let upper: serde_json::Value = pair[0].get(2);
+        let lower: serde_json::Value = pair[1].get(1);
+        assert_eq!(
+            upper, lower,
+            "each page starts where the previous one ended"
+        );
+    }
+    let ledger_rows: i64 = sqlx::query_scalar("SELECT sum(row_count)::bigint FROM tidemark_ledger")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(ledger_rows, 4000);
+    assert_batch_protocol_held(&cluster).await;
+}
