@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cargo build --bins
-cargo test --workspace -- --test-threads "${TIDEMARK_TEST_THREADS:-2}"
+cargo test --workspace --no-fail-fast -- --test-threads "${TIDEMARK_TEST_THREADS:-2}"

@@ -266,7 +266,7 @@ cursor_column = "updated_at"
         let text = MINIMAL.replace("cursor_column", "shardz = 3\ncursor_column");
         let err = Config::parse(&text, "t.toml", env).unwrap_err().to_string();
         assert!(err.contains("unknown field `shardz`"), "{err}");
-        assert!(err.contains("line 17"), "{err}");
+        assert!(err.contains("line 15"), "{err}");
     }
 
     #[test]

@@ -82,17 +82,18 @@ impl Staging {
         )
     }
 
+    /// A manifest names its writer's fence token, so each owner that stages the same bounds
+    /// writes its own manifest and never collides with one left by a crashed predecessor;
+    /// the batch registry records which manifest is the batch's.
     pub fn manifest_path(&self, manifest: &Manifest) -> String {
         let hash = manifest.content_hash.trim_start_matches("sha256:");
-        format!(
-            "{}/manifest-{hash}.json",
-            self.batch_dir(
-                &manifest.task,
-                manifest.epoch,
-                manifest.shard_id,
-                &manifest.batch_id
-            )
-        )
+        let dir = self.batch_dir(
+            &manifest.task,
+            manifest.epoch,
+            manifest.shard_id,
+            &manifest.batch_id,
+        );
+        format!("{dir}/manifest-{hash}-fence-{}.json", manifest.fence_token)
     }
 
     fn location(&self, relative: &str) -> Path {

@@ -153,6 +153,47 @@ async fn worker_killed_mid_snapshot_and_pending_batch_replayed() {
     assert_batch_protocol_held(&cluster).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_staged_but_never_registered_is_restaged_by_the_next_owner() {
+    let mut cluster = Cluster::new("torn").await;
+    create_items(&cluster.source, KeyKind::Bigint, 5000).await;
+    let settings = TaskSettings {
+        shards: 1,
+        page_size: 1000,
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    // Data object and manifest are written, then the worker dies before registering.
+    let first = cluster.spawn_worker("first", 1, &[("TIDEMARK_CRASH_AT", "after_stage:2")]);
+    let exit = cluster.workers[first]
+        .wait_exit(Duration::from_secs(60))
+        .expect("crash after staging");
+    assert!(!exit.success());
+    let registered: i64 = sqlx::query_scalar("SELECT count(*) FROM batches")
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap();
+    assert_eq!(registered, 1, "only the first page was registered");
+
+    // The next owner reads the same bounds (same batch id) and must stage its own manifest.
+    cluster.spawn_worker("second", 1, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(60), |t| {
+            t.snapshot_complete
+        })
+        .await;
+    compare(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        &["id"],
+        ITEM_COLUMNS,
+        "updated_at",
+    )
+    .await
+    .assert_clean("after a crash between staging and registering");
+    assert_batch_protocol_held(&cluster).await;
+}
+
 async fn worker_client(cluster: &Cluster) -> WorkerServiceClient<tonic::transport::Channel> {
     WorkerServiceClient::connect(cluster.address.clone())
         .await
