@@ -15,22 +15,11 @@ use crate::duration::serde_human;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    Read { path: String, source: std::io::Error },
     #[error("config error in {path}: environment variable {name} (line {line}) is not set")]
-    MissingEnv {
-        path: String,
-        name: String,
-        line: usize,
-    },
+    MissingEnv { path: String, name: String, line: usize },
     #[error("config error in {path} at line {line}: {message}")]
-    Parse {
-        path: String,
-        line: usize,
-        message: String,
-    },
+    Parse { path: String, line: usize, message: String },
     #[error("config error in {path}: {message}")]
     Invalid { path: String, message: String },
 }
@@ -69,7 +58,16 @@ pub struct TaskConfig {
     pub target: String,
     pub target_table: String,
     pub key: Vec<String>,
-    pub cursor_column: String,
+    /// `upsert` (default): snapshot, then changes by `(cursor_column, key)`.
+    /// `append`: rows are only ever inserted; pages by key alone.
+    #[serde(default)]
+    pub mode: TaskMode,
+    /// NOT NULL timestamp column; required in `upsert` mode, absent in `append` mode.
+    #[serde(default)]
+    pub cursor_column: Option<String>,
+    /// Which value orders versions of one row in the target (see [`VersionConfig`]).
+    #[serde(default)]
+    pub version: VersionConfig,
     #[serde(default = "default_shards")]
     pub shards: u32,
     #[serde(default = "default_page_size")]
@@ -78,6 +76,74 @@ pub struct TaskConfig {
     pub safety_delay: Duration,
     #[serde(default = "default_poll_interval", with = "serde_human")]
     pub poll_interval: Duration,
+    /// Every incremental cycle re-reads this much before the committed watermark, to catch
+    /// rows that became visible late (clock skew, precision, long transactions when the
+    /// open-transaction bound is off).
+    #[serde(default = "default_overlap", with = "serde_human")]
+    pub overlap: Duration,
+    /// Hold the read window below the start of the oldest transaction still open on the
+    /// source (PostgreSQL `pg_stat_activity`; needs `pg_read_all_stats`, e.g. `pg_monitor`).
+    #[serde(default = "default_true")]
+    pub open_transaction_bound: bool,
+    /// How far the source clock may step back before the task pauses with
+    /// `clock moved backwards`. At most `overlap` (the default), so that a step back within
+    /// tolerance is re-read by the overlap.
+    #[serde(default, with = "serde_human_option")]
+    pub clock_tolerance: Option<Duration>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskMode {
+    #[default]
+    Upsert,
+    Append,
+}
+
+/// `version = "cursor"` (default): the cursor time in microseconds, the weakest choice: a
+/// row rewritten with an older cursor time loses to the value already in the target.
+/// `version = { column = "row_version" }`: a monotone integer business version.
+/// `version = "trigger"`: the `tidemark_row_version` column that
+/// `tidemark-coordinator source install` adds, fed by a global sequence on every insert
+/// and update, so it is monotone per key across clock rollback and delete/re-insert.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum VersionConfig {
+    #[default]
+    Cursor,
+    Column(String),
+    Trigger,
+}
+
+/// The column the `trigger` version mode adds to a source table.
+pub const TRIGGER_VERSION_COLUMN: &str = "tidemark_row_version";
+
+impl<'de> Deserialize<'de> for VersionConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct ColumnOnly {
+            column: String,
+        }
+        let value = toml::Value::deserialize(deserializer)?;
+        match value {
+            toml::Value::String(name) if name == "cursor" => Ok(VersionConfig::Cursor),
+            toml::Value::String(name) if name == "trigger" => Ok(VersionConfig::Trigger),
+            toml::Value::Table(_) => {
+                let ColumnOnly { column } = value.try_into().map_err(serde::de::Error::custom)?;
+                Ok(VersionConfig::Column(column))
+            }
+            other => Err(serde::de::Error::custom(format!(
+                "version {other} is not one of \"cursor\", \"trigger\" or {{ column = \"...\" }}"
+            ))),
+        }
+    }
+}
+
+impl TaskConfig {
+    /// The effective clock tolerance: as configured, else the overlap.
+    pub fn clock_tolerance(&self) -> Duration {
+        self.clock_tolerance.unwrap_or(self.overlap)
+    }
 }
 
 fn default_etcd_prefix() -> String {
@@ -98,6 +164,23 @@ fn default_safety_delay() -> Duration {
 fn default_poll_interval() -> Duration {
     Duration::from_secs(1)
 }
+fn default_overlap() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_true() -> bool {
+    true
+}
+
+mod serde_human_option {
+    use serde::{Deserialize, Deserializer};
+    use std::time::Duration;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+        let text = Option::<String>::deserialize(deserializer)?;
+        text.map(|t| crate::duration::parse_duration(&t).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
 
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -110,11 +193,7 @@ impl Config {
     }
 
     /// Parses config text; `lookup_env` resolves `${NAME}` references.
-    pub fn parse(
-        raw: &str,
-        path: &str,
-        lookup_env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Config, ConfigError> {
+    pub fn parse(raw: &str, path: &str, lookup_env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let text = interpolate_env(raw, path, lookup_env)?;
         let config: Config = toml::from_str(&text).map_err(|err| {
             let line = err
@@ -151,11 +230,7 @@ impl Config {
         let mut names = HashSet::new();
         for task in &self.tasks {
             let name = &task.name;
-            if name.is_empty()
-                || !name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-            {
+            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
                 return Err(invalid(format!(
                     "task name {name:?} must be non-empty and use only letters, digits, '_' and '-'"
                 )));
@@ -164,23 +239,43 @@ impl Config {
                 return Err(invalid(format!("task {name:?} is defined twice")));
             }
             if task.key.is_empty() {
-                return Err(invalid(format!(
-                    "task {name}: key must name at least one column"
-                )));
+                return Err(invalid(format!("task {name}: key must name at least one column")));
             }
             if task.shards == 0 || task.shards > 4096 {
-                return Err(invalid(format!(
-                    "task {name}: shards must be between 1 and 4096"
-                )));
+                return Err(invalid(format!("task {name}: shards must be between 1 and 4096")));
             }
             if task.page_size == 0 {
-                return Err(invalid(format!(
-                    "task {name}: page_size must be at least 1"
-                )));
+                return Err(invalid(format!("task {name}: page_size must be at least 1")));
             }
             if task.poll_interval.is_zero() {
+                return Err(invalid(format!("task {name}: poll_interval must be positive")));
+            }
+            match (task.mode, &task.cursor_column) {
+                (TaskMode::Upsert, None) => {
+                    return Err(invalid(format!(
+                        "task {name}: cursor_column is required in upsert mode"
+                    )));
+                }
+                (TaskMode::Append, Some(_)) => {
+                    return Err(invalid(format!(
+                        "task {name}: append mode pages by key alone; remove cursor_column"
+                    )));
+                }
+                (TaskMode::Append, _) if task.key.len() != 1 => {
+                    return Err(invalid(format!(
+                        "task {name}: append mode needs a single integer key column"
+                    )));
+                }
+                (TaskMode::Append, _) if task.version != VersionConfig::Cursor => {
+                    return Err(invalid(format!(
+                        "task {name}: append mode versions rows by key; remove version"
+                    )));
+                }
+                _ => {}
+            }
+            if task.clock_tolerance() > task.overlap {
                 return Err(invalid(format!(
-                    "task {name}: poll_interval must be positive"
+                    "task {name}: clock_tolerance must not exceed overlap, or a clock step back within tolerance could skip rows"
                 )));
             }
         }
@@ -189,11 +284,7 @@ impl Config {
 }
 
 /// Replaces `${NAME}` with the variable's value. Comment lines are left alone.
-fn interpolate_env(
-    raw: &str,
-    path: &str,
-    lookup_env: impl Fn(&str) -> Option<String>,
-) -> Result<String, ConfigError> {
+fn interpolate_env(raw: &str, path: &str, lookup_env: impl Fn(&str) -> Option<String>) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(raw.len());
     for (index, line) in raw.split_inclusive('\n').enumerate() {
         if line.trim_start().starts_with('#') {
@@ -259,6 +350,47 @@ cursor_column = "updated_at"
         let task = &config.tasks[0];
         assert_eq!((task.shards, task.page_size), (8, 5000));
         assert_eq!(task.safety_delay, Duration::from_secs(5));
+        assert_eq!(
+            (task.mode, task.overlap, task.open_transaction_bound),
+            (TaskMode::Upsert, Duration::from_secs(10), true)
+        );
+        assert_eq!(task.clock_tolerance(), task.overlap);
+        assert_eq!(task.version, VersionConfig::Cursor);
+    }
+
+    #[test]
+    fn version_forms_and_mode_rules() {
+        let with = |line: &str| {
+            MINIMAL.replace(
+                "cursor_column = \"updated_at\"",
+                &format!("cursor_column = \"updated_at\"\n{line}"),
+            )
+        };
+        let parse = |line: &str| Config::parse(&with(line), "t.toml", env);
+        assert_eq!(
+            parse("version = \"trigger\"").unwrap().tasks[0].version,
+            VersionConfig::Trigger
+        );
+        assert_eq!(
+            parse("version = { column = \"row_version\" }").unwrap().tasks[0].version,
+            VersionConfig::Column("row_version".into())
+        );
+        assert!(
+            parse("version = \"sometimes\"")
+                .unwrap_err()
+                .to_string()
+                .contains("sometimes")
+        );
+        assert!(
+            parse("version = { colum = \"x\" }")
+                .unwrap_err()
+                .to_string()
+                .contains("colum")
+        );
+        let err = parse("mode = \"append\"").unwrap_err().to_string();
+        assert!(err.contains("remove cursor_column"), "{err}");
+        let err = parse("clock_tolerance = \"1m\"").unwrap_err().to_string();
+        assert!(err.contains("clock_tolerance must not exceed overlap"), "{err}");
     }
 
     #[test]
@@ -271,9 +403,7 @@ cursor_column = "updated_at"
 
     #[test]
     fn missing_env_var_is_named() {
-        let err = Config::parse(MINIMAL, "t.toml", |_| None)
-            .unwrap_err()
-            .to_string();
+        let err = Config::parse(MINIMAL, "t.toml", |_| None).unwrap_err().to_string();
         assert!(err.contains("PGPASS"), "{err}");
     }
 

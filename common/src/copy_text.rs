@@ -76,24 +76,9 @@ mod tests {
         let data = b"1\ta\\tb\\\\c\t\\N\n2\tx\\012y\t\\x41\n";
         let all: Vec<&[u8]> = rows(data).collect();
         assert_eq!(all.len(), 2);
-        assert_eq!(
-            decode_field(raw_field(all[0], 1).unwrap())
-                .unwrap()
-                .unwrap(),
-            "a\tb\\c"
-        );
+        assert_eq!(decode_field(raw_field(all[0], 1).unwrap()).unwrap().unwrap(), "a\tb\\c");
         assert_eq!(decode_field(raw_field(all[0], 2).unwrap()).unwrap(), None);
-        assert_eq!(
-            decode_field(raw_field(all[1], 1).unwrap())
-                .unwrap()
-                .unwrap(),
-            "x\ny"
-        );
-        assert_eq!(
-            decode_field(raw_field(all[1], 2).unwrap())
-                .unwrap()
-                .unwrap(),
-            "A"
-        );
+        assert_eq!(decode_field(raw_field(all[1], 1).unwrap()).unwrap().unwrap(), "x\ny");
+        assert_eq!(decode_field(raw_field(all[1], 2).unwrap()).unwrap().unwrap(), "A");
     }
 }

@@ -15,9 +15,7 @@ pub const CURSOR_ENCODING_VERSION: u32 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CursorError {
-    #[error(
-        "cursor encoding version {0} is not supported (this build reads version {CURSOR_ENCODING_VERSION})"
-    )]
+    #[error("cursor encoding version {0} is not supported (this build reads version {CURSOR_ENCODING_VERSION})")]
     UnsupportedVersion(u32),
     #[error("malformed cursor {text:?}: {message}")]
     Malformed { text: String, message: String },
@@ -36,12 +34,22 @@ pub struct KeyValue {
 pub enum Position {
     /// Snapshot phase: paging by key inside the shard's range.
     Snapshot { after_key: Option<Vec<KeyValue>> },
-    /// Incremental phase: paging by `(cursor_column, key)`; `t_micros` is the cursor time in
-    /// microseconds since the Unix epoch (UTC).
+    /// Incremental phase, in cycles. Times are microseconds since the Unix epoch (UTC).
+    ///
+    /// `floor_micros` is the watermark: every row with a cursor time below it is in the
+    /// target; it never moves backwards. A cycle fixes `cycle_high_micros` (the read
+    /// window's upper bound, from the source clock and its oldest open transaction) and
+    /// pages by `(cursor, key)` from `floor − overlap` up to it; `(t_micros, after_key)` is
+    /// the position inside the cycle. When the cycle is done the floor moves up to its high
+    /// and `cycle_high_micros` is `None` until the next cycle starts.
     Incremental {
+        floor_micros: i64,
         t_micros: i64,
         after_key: Option<Vec<KeyValue>>,
+        cycle_high_micros: Option<i64>,
     },
+    /// Append-only tasks after their initial scan: paging by key alone.
+    Append { after_key: Option<Vec<KeyValue>> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -74,8 +82,7 @@ impl Cursor {
             text: text.to_string(),
             message,
         };
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
         let version = value
             .get("encoding_version")
             .and_then(|v| v.as_u64())
@@ -86,15 +93,37 @@ impl Cursor {
         serde_json::from_value(value).map_err(|e| malformed(e.to_string()))
     }
 
-    pub fn is_incremental(&self) -> bool {
-        matches!(self.position, Position::Incremental { .. })
+    /// An incremental cursor between cycles, at watermark `floor_micros`.
+    pub fn incremental_at(epoch: u64, floor_micros: i64) -> Cursor {
+        Cursor::new(
+            epoch,
+            Position::Incremental {
+                floor_micros,
+                t_micros: floor_micros,
+                after_key: None,
+                cycle_high_micros: None,
+            },
+        )
     }
 
-    /// The cursor time of an incremental cursor.
+    /// Past the snapshot: incremental or append.
+    pub fn is_incremental(&self) -> bool {
+        !matches!(self.position, Position::Snapshot { .. })
+    }
+
+    /// The watermark of an incremental cursor.
     pub fn incremental_time(&self) -> Option<i64> {
         match self.position {
-            Position::Incremental { t_micros, .. } => Some(t_micros),
-            Position::Snapshot { .. } => None,
+            Position::Incremental { floor_micros, .. } => Some(floor_micros),
+            Position::Snapshot { .. } | Position::Append { .. } => None,
+        }
+    }
+
+    /// The last key read by a key-paged cursor (snapshot or append).
+    pub fn key_position(&self) -> Option<&[KeyValue]> {
+        match &self.position {
+            Position::Snapshot { after_key } | Position::Append { after_key } => after_key.as_deref(),
+            Position::Incremental { .. } => None,
         }
     }
 
@@ -102,24 +131,30 @@ impl Cursor {
     pub fn describe(&self) -> String {
         let keys = |key: &Option<Vec<KeyValue>>| match key {
             None => "start".to_string(),
-            Some(values) => values
-                .iter()
-                .map(|v| v.value.as_str())
-                .collect::<Vec<_>>()
-                .join(","),
+            Some(values) => values.iter().map(|v| v.value.as_str()).collect::<Vec<_>>().join(","),
         };
         match &self.position {
             Position::Snapshot { after_key } => format!("snapshot after {}", keys(after_key)),
+            Position::Append { after_key } => format!("append after {}", keys(after_key)),
             Position::Incremental {
+                floor_micros,
+                cycle_high_micros: None,
+                ..
+            } => {
+                format!("incremental {}", format_micros(*floor_micros))
+            }
+            Position::Incremental {
+                floor_micros,
                 t_micros,
                 after_key,
-            } => {
-                format!(
-                    "incremental {} / {}",
-                    format_micros(*t_micros),
-                    keys(after_key)
-                )
-            }
+                cycle_high_micros: Some(high),
+            } => format!(
+                "incremental {} (cycle to {} at {} / {})",
+                format_micros(*floor_micros),
+                format_micros(*high),
+                format_micros(*t_micros),
+                keys(after_key)
+            ),
         }
     }
 }
@@ -222,11 +257,7 @@ pub fn plan_ranges(key_type: &KeyDomain, shards: u32) -> Vec<ShardRange> {
 /// What the planner knows of the first key column.
 #[derive(Debug, Clone)]
 pub enum KeyDomain {
-    Integer {
-        sql_type: String,
-        min: i64,
-        max: i64,
-    },
+    Integer { sql_type: String, min: i64, max: i64 },
     Uuid,
 }
 
@@ -239,11 +270,13 @@ mod tests {
         let cursor = Cursor::new(
             3,
             Position::Incremental {
+                floor_micros: 1_700_000_000_000_000,
                 t_micros: 1_700_000_000_123_456,
                 after_key: Some(vec![KeyValue {
                     sql_type: "bigint".into(),
                     value: "42".into(),
                 }]),
+                cycle_high_micros: Some(1_700_000_001_000_000),
             },
         );
         let text = cursor.encode();
@@ -277,11 +310,7 @@ mod tests {
     #[test]
     fn uuid_ranges_are_ordered_prefixes() {
         let ranges = plan_ranges(&KeyDomain::Uuid, 4);
-        let bounds: Vec<_> = ranges
-            .iter()
-            .filter_map(|r| r.hi.clone())
-            .map(|v| v.value)
-            .collect();
+        let bounds: Vec<_> = ranges.iter().filter_map(|r| r.hi.clone()).map(|v| v.value).collect();
         assert_eq!(bounds.len(), 3);
         assert!(bounds[0].starts_with("3fffffff") && bounds[1].starts_with("7fffffff"));
         let mut sorted = bounds.clone();
@@ -292,10 +321,7 @@ mod tests {
     #[test]
     fn formats_rfc3339_millis() {
         assert_eq!(format_micros(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(
-            format_micros(1_700_000_000_123_456),
-            "2023-11-14T22:13:20.123Z"
-        );
+        assert_eq!(format_micros(1_700_000_000_123_456), "2023-11-14T22:13:20.123Z");
         assert_eq!(format_micros(-1_000), "1969-12-31T23:59:59.999Z");
     }
 }

@@ -50,10 +50,7 @@ mod tests {
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
         assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        assert_eq!(
-            parse_duration("7d").unwrap(),
-            Duration::from_secs(7 * 86_400)
-        );
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
         assert!(parse_duration("10").unwrap_err().contains("no unit"));
         assert!(parse_duration("10y").unwrap_err().contains("unknown unit"));
     }

@@ -11,6 +11,9 @@ use crate::cursor::{KeyValue, ShardRange};
 pub const VERSION_COLUMN: &str = "_tidemark_version";
 /// The target-side ledger of applied batches.
 pub const LEDGER_TABLE: &str = "tidemark_ledger";
+/// A staged row's cursor time in microseconds: the last field of the staged layout (when the
+/// task has a cursor column); it exists only in the session's stage table.
+pub const CURSOR_MICROS_COLUMN: &str = "_tidemark_cursor_micros";
 
 pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
@@ -34,15 +37,11 @@ impl TableName {
             [name] => ("public", *name),
             [schema, name] => (*schema, *name),
             _ => {
-                return Err(format!(
-                    "table name {text:?} must be `table` or `schema.table`"
-                ));
+                return Err(format!("table name {text:?} must be `table` or `schema.table`"));
             }
         };
         if schema.is_empty() || name.is_empty() {
-            return Err(format!(
-                "table name {text:?} must be `table` or `schema.table`"
-            ));
+            return Err(format!("table name {text:?} must be `table` or `schema.table`"));
         }
         Ok(TableName {
             schema: schema.to_string(),
@@ -97,33 +96,72 @@ pub struct TableSql {
     pub target: TableName,
     pub columns: Vec<Column>,
     pub key_columns: Vec<String>,
-    pub cursor_column: String,
+    /// Absent for append-only tasks, which page by key alone.
+    pub cursor_column: Option<String>,
+    /// The integer column holding each row's source version; `None` means the cursor time
+    /// in microseconds (the default, and the weakest version).
+    pub version_column: Option<String>,
 }
 
 impl TableSql {
     fn cursor_type(&self) -> &str {
         self.columns
             .iter()
-            .find(|c| c.name == self.cursor_column)
+            .find(|c| Some(&c.name) == self.cursor_column.as_ref())
             .map_or("timestamp with time zone", |c| c.sql_type.as_str())
     }
 
-    /// Source columns followed by the row's version: the cursor time in microseconds. The
-    /// same list, in the same order, is the staged data's layout.
+    fn cursor(&self) -> String {
+        quote_ident(
+            self.cursor_column
+                .as_deref()
+                .expect("incremental reads need a cursor column"),
+        )
+    }
+
+    /// `(extract(epoch from cursor) * 1000000)::bigint` over the given row alias.
+    fn cursor_micros(&self, alias: &str) -> String {
+        format!("(extract(epoch from {alias}{}) * 1000000)::bigint", self.cursor())
+    }
+
+    fn version_expr(&self) -> String {
+        match &self.version_column {
+            Some(column) => format!("{}::bigint", quote_ident(column)),
+            None => self.cursor_micros(""),
+        }
+    }
+
+    /// Source columns followed by the row's version. The same list, in the same order, is the
+    /// staged data's layout.
     fn select_list(&self) -> String {
         let mut list: Vec<String> = self.columns.iter().map(|c| quote_ident(&c.name)).collect();
-        list.push(format!(
-            "(extract(epoch from {}) * 1000000)::bigint",
-            quote_ident(&self.cursor_column)
-        ));
+        list.push(self.version_expr());
+        if self.cursor_column.is_some() {
+            list.push(self.cursor_micros(""));
+        }
         list.join(", ")
     }
 
-    /// The staged layout's column names in the target (source columns, then the version).
+    /// The staged layout: source columns, the version, then (with a cursor column) the cursor
+    /// time in microseconds.
     pub fn staged_columns(&self) -> Vec<String> {
+        let mut names = self.target_columns();
+        if self.cursor_column.is_some() {
+            names.push(quote_ident(CURSOR_MICROS_COLUMN));
+        }
+        names
+    }
+
+    /// The target's columns: the source columns and the version.
+    fn target_columns(&self) -> Vec<String> {
         let mut names: Vec<String> = self.columns.iter().map(|c| quote_ident(&c.name)).collect();
         names.push(quote_ident(VERSION_COLUMN));
         names
+    }
+
+    /// Index of the staged field holding the cursor time in microseconds, if any.
+    pub fn cursor_micros_position(&self) -> Option<usize> {
+        self.cursor_column.as_ref().map(|_| self.columns.len() + 1)
     }
 
     /// Index of each key column inside a staged row.
@@ -180,11 +218,7 @@ impl TableSql {
             conditions.push(keys_after(&self.key_columns, after));
         }
         if let Some(max) = max_key {
-            conditions.push(format!(
-                "{} <= {}",
-                quote_ident(&self.key_columns[0]),
-                key_literal(max)
-            ));
+            conditions.push(format!("{} <= {}", quote_ident(&self.key_columns[0]), key_literal(max)));
         }
         self.copy_out(&conditions, &self.key_order(), limit)
     }
@@ -200,7 +234,7 @@ impl TableSql {
         limit: u32,
     ) -> String {
         let cursor_type = self.cursor_type();
-        let cursor = quote_ident(&self.cursor_column);
+        let cursor = self.cursor();
         let mut conditions = self.range_condition(range);
         let t = time_literal(t_micros, cursor_type);
         match after_key {
@@ -210,17 +244,10 @@ impl TableSql {
                 columns.extend(self.key_columns.iter().map(|c| quote_ident(c)));
                 let mut values = vec![t];
                 values.extend(after.iter().map(key_literal));
-                conditions.push(format!(
-                    "({}) > ({})",
-                    columns.join(", "),
-                    values.join(", ")
-                ));
+                conditions.push(format!("({}) > ({})", columns.join(", "), values.join(", ")));
             }
         }
-        conditions.push(format!(
-            "{cursor} < {}",
-            time_literal(high_micros, cursor_type)
-        ));
+        conditions.push(format!("{cursor} < {}", time_literal(high_micros, cursor_type)));
         let order = format!("{cursor}, {}", self.key_order());
         self.copy_out(&conditions, &order, limit)
     }
@@ -236,6 +263,39 @@ impl TableSql {
             self.select_list(),
             self.source.quoted()
         )
+    }
+
+    /// Rows of the staged batch that lie below the watermark `floor_micros` (found by the
+    /// overlap re-read) and that the target does not hold at their version yet: late rows.
+    /// Returns their lateness in microseconds, `high_micros − cursor time`.
+    pub fn late_rows(&self, floor_micros: i64, high_micros: i64) -> String {
+        let joins: Vec<String> = self
+            .key_columns
+            .iter()
+            .map(|k| format!("t.{k} = s.{k}", k = quote_ident(k)))
+            .collect();
+        let version = quote_ident(VERSION_COLUMN);
+        format!(
+            "SELECT {high_micros} - {s_micros} FROM {stage} s LEFT JOIN {target} t ON {on} \
+             WHERE {s_micros} < {floor_micros} AND (t.{version} IS NULL OR t.{version} < s.{version})",
+            s_micros = format!("s.{}", quote_ident(CURSOR_MICROS_COLUMN)),
+            stage = self.stage_table(),
+            target = self.target.quoted(),
+            on = joins.join(" AND "),
+        )
+    }
+
+    /// The SELECT inside an incremental page's COPY, for `EXPLAIN`.
+    pub fn explain_incremental_page(
+        &self,
+        range: &ShardRange,
+        t_micros: i64,
+        after_key: &[KeyValue],
+        high: i64,
+    ) -> String {
+        let copy = self.incremental_page(range, t_micros, Some(after_key), high, 1000);
+        let select = copy.trim_start_matches("COPY (").trim_end_matches(") TO STDOUT");
+        format!("EXPLAIN {select}")
     }
 
     /// The target table, created from the source's columns: the key as primary key and the
@@ -269,8 +329,13 @@ impl TableSql {
     }
 
     pub fn create_stage_table(&self) -> String {
+        let extra = if self.cursor_column.is_some() {
+            format!(", {} bigint", quote_ident(CURSOR_MICROS_COLUMN))
+        } else {
+            String::new()
+        };
         format!(
-            "CREATE TEMP TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS",
+            "CREATE TEMP TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS{extra}) ON COMMIT DELETE ROWS",
             self.stage_table(),
             self.target.quoted()
         )
@@ -286,7 +351,7 @@ impl TableSql {
 
     /// The versioned upsert: an older source version never overwrites a newer one.
     pub fn upsert_from_stage(&self) -> String {
-        let columns = self.staged_columns();
+        let columns = self.target_columns();
         let updates: Vec<String> = columns
             .iter()
             .filter(|c| !self.key_columns.iter().any(|k| quote_ident(k) == **c))
@@ -308,10 +373,7 @@ impl TableSql {
 /// Connection options for every Tidemark session: UTC, standard-conforming strings (which
 /// the literal quoting above relies on) and an application name that shows in
 /// `pg_stat_activity`.
-pub fn connect_options(
-    url: &str,
-    application_name: &str,
-) -> Result<sqlx::postgres::PgConnectOptions, String> {
+pub fn connect_options(url: &str, application_name: &str) -> Result<sqlx::postgres::PgConnectOptions, String> {
     let options: sqlx::postgres::PgConnectOptions = url
         .parse()
         .map_err(|e| format!("{}: {e}", crate::redact::redact_url(url)))?;
@@ -320,14 +382,34 @@ pub fn connect_options(
         .options([("TimeZone", "UTC"), ("standard_conforming_strings", "on")]))
 }
 
+/// The SQL expression read as the source's clock. `TIDEMARK_SOURCE_CLOCK_SQL` replaces it in
+/// tests that need a clock that jumps (a test hook; never set it in production).
+pub fn source_clock_sql() -> String {
+    std::env::var("TIDEMARK_SOURCE_CLOCK_SQL").unwrap_or_else(|_| "clock_timestamp()".to_string())
+}
+
+/// The source clock in microseconds since the Unix epoch.
+pub fn source_now_query() -> String {
+    format!("SELECT (extract(epoch from {}) * 1000000)::bigint", source_clock_sql())
+}
+
+/// The start of the oldest transaction still open in the source database (microseconds),
+/// other than Tidemark's own sessions and background workers. Sessions of other roles are
+/// only visible with `pg_read_all_stats` (e.g. through `pg_monitor`).
+pub const OLDEST_OPEN_TRANSACTION: &str = "SELECT (extract(epoch from min(xact_start)) * 1000000)::bigint \
+     FROM pg_stat_activity WHERE backend_type = 'client backend' AND xact_start IS NOT NULL \
+     AND pid <> pg_backend_pid() AND datname = current_database() \
+     AND coalesce(application_name, '') NOT LIKE 'tidemark-%'";
+
+/// Whether the session may see every session's transaction start.
+pub const CAN_SEE_ALL_TRANSACTIONS: &str = "SELECT pg_has_role(current_user, 'pg_read_all_stats', 'MEMBER') \
+     OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)";
+
 /// Whether a driver error is worth retrying (the server is unreachable or restarting), as
 /// opposed to a problem that retrying cannot fix (bad credentials, missing database, SQL).
 pub fn is_transient(error: &sqlx::Error) -> bool {
     match error {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Tls(_) => true,
         sqlx::Error::Database(db) => matches!(
             db.code().as_deref(),
             // admin_shutdown, crash_shutdown, cannot_connect_now, serialization, deadlock
@@ -360,7 +442,8 @@ mod tests {
                 },
             ],
             key_columns: vec!["id".into()],
-            cursor_column: "updated_at".into(),
+            cursor_column: Some("updated_at".into()),
+            version_column: None,
         }
     }
 
@@ -391,10 +474,7 @@ mod tests {
         );
         assert!(sql.contains("\"id\" < '100'::bigint"), "{sql}");
         assert!(sql.contains("(\"updated_at\", \"id\") > ((\'1970-01-01 00:00:00+00\'::timestamptz + 1000000 * interval '1 microsecond'), '7'::bigint)"), "{sql}");
-        assert!(
-            sql.contains("ORDER BY \"updated_at\", \"id\" LIMIT 500"),
-            "{sql}"
-        );
+        assert!(sql.contains("ORDER BY \"updated_at\", \"id\" LIMIT 500"), "{sql}");
     }
 
     #[test]
@@ -404,10 +484,7 @@ mod tests {
             sql.contains("WHERE t.\"_tidemark_version\" <= EXCLUDED.\"_tidemark_version\""),
             "{sql}"
         );
-        assert!(
-            sql.contains("\"na\"\"me\" = EXCLUDED.\"na\"\"me\""),
-            "{sql}"
-        );
+        assert!(sql.contains("\"na\"\"me\" = EXCLUDED.\"na\"\"me\""), "{sql}");
         assert!(!sql.contains("\"id\" = EXCLUDED"), "{sql}");
     }
 }

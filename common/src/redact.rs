@@ -61,10 +61,7 @@ mod tests {
         assert!(!redact_url("postgres://db/app?user=a&password=s3cret").contains("s3cret"));
         assert_eq!(redact_url("postgres://db/app"), "postgres://db/app");
         assert_eq!(
-            redact_secrets(
-                "cannot reach postgres://app:s3cret@db",
-                &["postgres://app:s3cret@db"]
-            ),
+            redact_secrets("cannot reach postgres://app:s3cret@db", &["postgres://app:s3cret@db"]),
             "cannot reach postgres://app:****@db"
         );
     }

@@ -19,10 +19,7 @@ pub enum StagingError {
     #[error("staging URL {url}: {message}")]
     Url { url: String, message: String },
     #[error("staging object {path}: {source}")]
-    Store {
-        path: String,
-        source: object_store::Error,
-    },
+    Store { path: String, source: object_store::Error },
     #[error("staging object {path} already exists with different content")]
     Conflict { path: String },
     #[error("staged batch {batch_id} is corrupt: {message}")]
@@ -50,13 +47,10 @@ impl Staging {
         };
         let url = url::Url::parse(url_text).map_err(|e| url_error(e.to_string()))?;
         if url.scheme() == "file" {
-            let dir = url
-                .to_file_path()
-                .map_err(|_| url_error("not a local path".into()))?;
+            let dir = url.to_file_path().map_err(|_| url_error("not a local path".into()))?;
             std::fs::create_dir_all(&dir).map_err(|e| url_error(e.to_string()))?;
         }
-        let (store, prefix) =
-            object_store::parse_url(&url).map_err(|e| url_error(e.to_string()))?;
+        let (store, prefix) = object_store::parse_url(&url).map_err(|e| url_error(e.to_string()))?;
         Ok(Staging {
             store: Arc::from(store),
             prefix,
@@ -73,12 +67,7 @@ impl Staging {
         let hash = manifest.content_hash.trim_start_matches("sha256:");
         format!(
             "{}/data-{hash}.copy",
-            self.batch_dir(
-                &manifest.task,
-                manifest.epoch,
-                manifest.shard_id,
-                &manifest.batch_id
-            )
+            self.batch_dir(&manifest.task, manifest.epoch, manifest.shard_id, &manifest.batch_id)
         )
     }
 
@@ -87,12 +76,7 @@ impl Staging {
     /// the batch registry records which manifest is the batch's.
     pub fn manifest_path(&self, manifest: &Manifest) -> String {
         let hash = manifest.content_hash.trim_start_matches("sha256:");
-        let dir = self.batch_dir(
-            &manifest.task,
-            manifest.epoch,
-            manifest.shard_id,
-            &manifest.batch_id,
-        );
+        let dir = self.batch_dir(&manifest.task, manifest.epoch, manifest.shard_id, &manifest.batch_id);
         format!("{dir}/manifest-{hash}-fence-{}.json", manifest.fence_token)
     }
 
@@ -135,28 +119,19 @@ impl Staging {
             path: relative.to_string(),
             source,
         };
-        let result = self
-            .store
-            .get(&self.location(relative))
-            .await
-            .map_err(store_error)?;
+        let result = self.store.get(&self.location(relative)).await.map_err(store_error)?;
         result.bytes().await.map_err(store_error)
     }
 
     /// Writes data then manifest; returns the manifest's path. `manifest.data_path` is filled
     /// in here.
-    pub async fn write_batch(
-        &self,
-        manifest: &mut Manifest,
-        data: Bytes,
-    ) -> Result<String, StagingError> {
+    pub async fn write_batch(&self, manifest: &mut Manifest, data: Bytes) -> Result<String, StagingError> {
         debug_assert_eq!(manifest.content_hash, content_hash(&data));
         manifest.data_path = self.data_path(manifest);
         self.put_if_absent(&manifest.data_path, data).await?;
         let manifest_path = self.manifest_path(manifest);
         let manifest_bytes = serde_json::to_vec_pretty(manifest).expect("manifest serializes");
-        self.put_if_absent(&manifest_path, Bytes::from(manifest_bytes))
-            .await?;
+        self.put_if_absent(&manifest_path, Bytes::from(manifest_bytes)).await?;
         Ok(manifest_path)
     }
 
@@ -164,11 +139,10 @@ impl Staging {
     /// size.
     pub async fn read_batch(&self, manifest_path: &str) -> Result<(Manifest, Bytes), StagingError> {
         let manifest_bytes = self.get(manifest_path).await?;
-        let manifest: Manifest =
-            serde_json::from_slice(&manifest_bytes).map_err(|e| StagingError::Corrupt {
-                batch_id: manifest_path.to_string(),
-                message: format!("manifest does not parse: {e}"),
-            })?;
+        let manifest: Manifest = serde_json::from_slice(&manifest_bytes).map_err(|e| StagingError::Corrupt {
+            batch_id: manifest_path.to_string(),
+            message: format!("manifest does not parse: {e}"),
+        })?;
         let data = self.get(&manifest.data_path).await?;
         let actual = content_hash(&data);
         if actual != manifest.content_hash || data.len() as u64 != manifest.byte_size {

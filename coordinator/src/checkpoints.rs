@@ -85,6 +85,15 @@ pub struct CommitBatch<'a> {
     pub row_count: u64,
     pub empty: bool,
     pub replayed: bool,
+    pub late_row_lateness_micros: &'a [i64],
+}
+
+/// Late rows of a task's current epoch.
+#[derive(Debug, Clone, Default)]
+pub struct Lateness {
+    pub count: u64,
+    pub p99_micros: i64,
+    pub max_micros: i64,
 }
 
 #[derive(Debug, Clone)]
@@ -125,8 +134,7 @@ impl ControlDb {
     /// Connects (creating the database when it does not exist) and runs the migrations.
     /// sqlx holds an advisory lock while migrating, so concurrent coordinators are safe.
     pub async fn connect(url: &str) -> Result<ControlDb, CoordinatorError> {
-        let options = connect_options(url, "tidemark-coordinator")
-            .map_err(CoordinatorError::InvalidRequest)?;
+        let options = connect_options(url, "tidemark-coordinator").map_err(CoordinatorError::InvalidRequest)?;
         let pool_options = PgPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(10));
@@ -140,10 +148,7 @@ impl ControlDb {
                     .connect_with(options.clone().database("postgres"))
                     .await?;
                 let create = format!("CREATE DATABASE {}", quote_ident(&database));
-                if let Err(error) = sqlx::query(sqlx::AssertSqlSafe(create))
-                    .execute(&admin)
-                    .await
-                {
+                if let Err(error) = sqlx::query(sqlx::AssertSqlSafe(create)).execute(&admin).await {
                     let raced = matches!(&error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42P04"));
                     if !raced {
                         return Err(error.into());
@@ -189,14 +194,13 @@ impl ControlDb {
     /// task row's primary key decides, and the loser reads the winner's plan.
     pub async fn create_epoch(&self, plan: &EpochPlan) -> Result<bool, CoordinatorError> {
         let mut tx = self.pool.begin().await?;
-        let inserted = sqlx::query(
-            "INSERT INTO tasks (name, current_epoch) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
-        )
-        .bind(&plan.task)
-        .bind(plan.epoch as i64)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+        let inserted =
+            sqlx::query("INSERT INTO tasks (name, current_epoch) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
+                .bind(&plan.task)
+                .bind(plan.epoch as i64)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
         if inserted == 0 {
             tx.rollback().await?;
             return Ok(false);
@@ -216,8 +220,7 @@ impl ControlDb {
         .await?;
         let start = cursor_json(&Cursor::snapshot_start(plan.epoch));
         for (shard_id, range) in plan.ranges.iter().enumerate() {
-            let range: serde_json::Value =
-                serde_json::from_str(range).expect("encoded range is JSON");
+            let range: serde_json::Value = serde_json::from_str(range).expect("encoded range is JSON");
             sqlx::query(
                 "INSERT INTO checkpoints (task, epoch, shard_id, range, phase, cursor) \
                  VALUES ($1, $2, $3, $4, 'SNAPSHOT', $5)",
@@ -234,21 +237,86 @@ impl ControlDb {
         Ok(true)
     }
 
-    pub async fn pause_task(&self, task: &str, reason: &str) -> Result<(), CoordinatorError> {
-        sqlx::query("UPDATE tasks SET paused_reason = $2 WHERE name = $1")
+    /// Pauses a task: its shards can no longer be acquired and every register or commit is
+    /// refused until it is resumed. A task that is already paused keeps its first reason.
+    pub async fn pause_task(&self, task: &str, reason: &str) -> Result<bool, CoordinatorError> {
+        let updated = sqlx::query("UPDATE tasks SET paused_reason = $2 WHERE name = $1 AND paused_reason IS NULL")
             .bind(task)
             .bind(reason)
             .execute(&self.pool)
-            .await?;
-        Ok(())
+            .await?
+            .rows_affected();
+        Ok(updated == 1)
+    }
+
+    /// Clears a pause. The source clock's high-water mark starts afresh, so a clock that was
+    /// reset on purpose does not pause the task again at once.
+    pub async fn resume_task(&self, task: &str) -> Result<bool, CoordinatorError> {
+        let updated =
+            sqlx::query("UPDATE tasks SET paused_reason = NULL, max_source_clock_micros = NULL WHERE name = $1")
+                .bind(task)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+        Ok(updated == 1)
+    }
+
+    pub async fn paused_reason(&self, task: &str) -> Result<Option<String>, CoordinatorError> {
+        Ok(
+            sqlx::query_scalar::<_, Option<String>>("SELECT paused_reason FROM tasks WHERE name = $1")
+                .bind(task)
+                .fetch_optional(&self.pool)
+                .await?
+                .flatten(),
+        )
+    }
+
+    /// Records a source clock reading; returns the highest reading seen before it.
+    pub async fn record_source_clock(&self, task: &str, now_micros: i64) -> Result<Option<i64>, CoordinatorError> {
+        let previous: Option<i64> = sqlx::query_scalar(
+            "WITH old AS (SELECT max_source_clock_micros AS m FROM tasks WHERE name = $1 FOR UPDATE) \
+             UPDATE tasks SET max_source_clock_micros = GREATEST(coalesce((SELECT m FROM old), $2), $2) \
+             WHERE name = $1 RETURNING (SELECT m FROM old)",
+        )
+        .bind(task)
+        .bind(now_micros)
+        .fetch_optional(&self.pool)
+        .await?
+        .flatten();
+        Ok(previous)
+    }
+
+    /// The committed key positions (snapshot and append cursors) of a task's current epoch.
+    pub async fn committed_key_positions(&self, task: &str) -> Result<Vec<Cursor>, CoordinatorError> {
+        let rows: Vec<serde_json::Value> = sqlx::query_scalar(
+            "SELECT c.cursor FROM checkpoints c JOIN tasks t ON t.name = c.task AND t.current_epoch = c.epoch \
+             WHERE c.task = $1",
+        )
+        .bind(task)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter().map(decode_cursor).collect()
+    }
+
+    pub async fn lateness(&self, task: &str, epoch: u64) -> Result<Lateness, CoordinatorError> {
+        let row = sqlx::query(
+            "SELECT count(*), coalesce(percentile_disc(0.99) WITHIN GROUP (ORDER BY lateness_micros), 0)::bigint, \
+             coalesce(max(lateness_micros), 0)::bigint FROM late_rows WHERE task = $1 AND epoch = $2",
+        )
+        .bind(task)
+        .bind(epoch as i64)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(Lateness {
+            count: row.get::<i64, _>(0) as u64,
+            p99_micros: row.get(1),
+            max_micros: row.get(2),
+        })
     }
 
     /// Shards of the given tasks' current epochs that are not paused, least recently
     /// touched first.
-    pub async fn shard_candidates(
-        &self,
-        tasks: &[String],
-    ) -> Result<Vec<ShardKey>, CoordinatorError> {
+    pub async fn shard_candidates(&self, tasks: &[String]) -> Result<Vec<ShardKey>, CoordinatorError> {
         let rows = sqlx::query(
             "SELECT c.task, c.epoch, c.shard_id FROM checkpoints c \
              JOIN tasks t ON t.name = c.task AND t.current_epoch = c.epoch \
@@ -337,7 +405,12 @@ impl ControlDb {
         .bind(shard.shard_id as i32)
         .fetch_optional(&mut *conn)
         .await?
-        .ok_or_else(|| CoordinatorError::InvalidRequest(format!("no shard {} in epoch {} of task {}", shard.shard_id, shard.epoch, shard.task)))?;
+        .ok_or_else(|| {
+            CoordinatorError::InvalidRequest(format!(
+                "no shard {} in epoch {} of task {}",
+                shard.shard_id, shard.epoch, shard.task
+            ))
+        })?;
         let current_fence = row.get::<i64, _>(2) as u64;
         if current_fence != fence {
             return Err(CoordinatorError::Fenced {
@@ -353,19 +426,14 @@ impl ControlDb {
                 reason,
             });
         }
-        Ok((
-            decode_cursor(row.get(0))?,
-            row.get::<i64, _>(1) as u64,
-            row.get(3),
-        ))
+        Ok((decode_cursor(row.get(0))?, row.get::<i64, _>(1) as u64, row.get(3)))
     }
 
     /// Records a staged batch. Its bounds are fixed from here on (invariant 2): registering the
     /// same id again with other content is refused.
     pub async fn register_batch(&self, batch: &RegisterBatch<'_>) -> Result<(), CoordinatorError> {
         let mut tx = self.pool.begin().await?;
-        let (cursor, _, _) =
-            Self::lock_checkpoint(tx.acquire().await?, batch.shard, batch.fence).await?;
+        let (cursor, _, _) = Self::lock_checkpoint(tx.acquire().await?, batch.shard, batch.fence).await?;
         if &cursor != batch.lower {
             return Err(CoordinatorError::CheckpointConflict {
                 task: batch.shard.task.clone(),
@@ -387,9 +455,7 @@ impl ControlDb {
             if hash != batch.content_hash {
                 return Err(CoordinatorError::Batch {
                     batch_id: batch.batch_id.to_string(),
-                    message: format!(
-                        "already registered ({state}) with content {hash}; replay the staged batch"
-                    ),
+                    message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
                 });
             }
             tx.commit().await?;
@@ -428,8 +494,7 @@ impl ControlDb {
             message,
         };
         let mut tx = self.pool.begin().await?;
-        let (cursor, version, last_batch_id) =
-            Self::lock_checkpoint(tx.acquire().await?, shard, commit.fence).await?;
+        let (cursor, version, last_batch_id) = Self::lock_checkpoint(tx.acquire().await?, shard, commit.fence).await?;
         if !commit.empty
             && &cursor == commit.upper
             && last_batch_id.as_deref() == Some(commit.batch_id)
@@ -516,16 +581,24 @@ impl ControlDb {
             .execute(&mut *tx)
             .await?;
         }
+        if !commit.late_row_lateness_micros.is_empty() {
+            sqlx::query(
+                "INSERT INTO late_rows (task, epoch, shard_id, batch_id, lateness_micros) \
+                 SELECT $1, $2, $3, $4, unnest($5::bigint[])",
+            )
+            .bind(&shard.task)
+            .bind(shard.epoch as i64)
+            .bind(shard.shard_id as i32)
+            .bind(commit.batch_id)
+            .bind(commit.late_row_lateness_micros)
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
         Ok(new_version)
     }
 
-    pub async fn release(
-        &self,
-        shard: &ShardKey,
-        fence: u64,
-        owner: &str,
-    ) -> Result<(), CoordinatorError> {
+    pub async fn release(&self, shard: &ShardKey, fence: u64, owner: &str) -> Result<(), CoordinatorError> {
         sqlx::query(
             "UPDATE checkpoints SET owner = NULL WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence = $4 AND owner = $5",
         )

@@ -14,11 +14,7 @@ pub enum CoordinatorError {
     },
     /// The checkpoint moved since the caller read it (version or lower bound differ).
     #[error("checkpoint conflict on shard {shard} of task {task}: {message}")]
-    CheckpointConflict {
-        task: String,
-        shard: u32,
-        message: String,
-    },
+    CheckpointConflict { task: String, shard: u32, message: String },
     #[error("batch {batch_id}: {message}")]
     Batch { batch_id: String, message: String },
     #[error("worker lease {lease_id} has expired; register again")]
@@ -75,9 +71,7 @@ impl From<CoordinatorError> for tonic::Status {
                 tonic::Status::invalid_argument(message)
             }
             CoordinatorError::TaskSetup { .. } => tonic::Status::failed_precondition(message),
-            CoordinatorError::ControlDb(_) | CoordinatorError::Etcd(_) => {
-                tonic::Status::unavailable(message)
-            }
+            CoordinatorError::ControlDb(_) | CoordinatorError::Etcd(_) => tonic::Status::unavailable(message),
         }
     }
 }

@@ -22,11 +22,7 @@ pub struct Leases {
 }
 
 impl Leases {
-    pub async fn connect(
-        endpoints: &[String],
-        prefix: &str,
-        ttl: Duration,
-    ) -> Result<Leases, CoordinatorError> {
+    pub async fn connect(endpoints: &[String], prefix: &str, ttl: Duration) -> Result<Leases, CoordinatorError> {
         let options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(3))
             .with_timeout(Duration::from_secs(5));
@@ -71,11 +67,7 @@ impl Leases {
     }
 
     pub async fn lease_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {
-        let response = self
-            .client
-            .clone()
-            .lease_time_to_live(lease_id, None)
-            .await?;
+        let response = self.client.clone().lease_time_to_live(lease_id, None).await?;
         Ok(response.ttl() > 0)
     }
 
@@ -89,18 +81,15 @@ impl Leases {
         let key = self.owner_key(shard);
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                key,
-                worker_id,
-                Some(PutOptions::new().with_lease(lease_id)),
-            )]);
+            .and_then([TxnOp::put(key, worker_id, Some(PutOptions::new().with_lease(lease_id)))]);
         let response = self.client.clone().txn(txn).await?;
         if !response.succeeded() {
             return Ok(None);
         }
-        let revision = response.header().map(|h| h.revision()).ok_or_else(|| {
-            CoordinatorError::InvalidRequest("etcd txn response without header".into())
-        })?;
+        let revision = response
+            .header()
+            .map(|h| h.revision())
+            .ok_or_else(|| CoordinatorError::InvalidRequest("etcd txn response without header".into()))?;
         Ok(Some(revision as u64))
     }
 
@@ -108,11 +97,7 @@ impl Leases {
     pub async fn release(&self, shard: &ShardKey, fence: u64) -> Result<(), CoordinatorError> {
         let key = self.owner_key(shard);
         let txn = Txn::new()
-            .when([Compare::create_revision(
-                key.clone(),
-                CompareOp::Equal,
-                fence as i64,
-            )])
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, fence as i64)])
             .and_then([TxnOp::delete(key, None)]);
         self.client.clone().txn(txn).await?;
         Ok(())

@@ -7,3 +7,4 @@ pub mod leases;
 pub mod planner;
 pub mod service;
 pub mod status;
+pub mod watcher;

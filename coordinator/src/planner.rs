@@ -1,6 +1,7 @@
 //! Task setup: validates the source table against the task's contract, plans epoch 1 at the
 //! start bound H0 (source time and largest key) with its shard ranges, and creates the
-//! target table and ledger when they are missing.
+//! target table and ledger when they are missing. Also installs the trigger-maintained
+//! version column (`source install`).
 
 use std::time::Duration;
 
@@ -8,10 +9,11 @@ use backon::{ExponentialBuilder, Retryable};
 use sha2::{Digest, Sha256};
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use tidemark_common::config::TaskConfig;
-use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, Position, plan_ranges};
+use tidemark_common::config::{TRIGGER_VERSION_COLUMN, TaskConfig, TaskMode, VersionConfig};
+use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, plan_ranges};
 use tidemark_common::pg::{
-    Column, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient, quote_ident,
+    self, Column, OLDEST_OPEN_TRANSACTION, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient,
+    quote_ident,
 };
 use tidemark_common::redact::redact_url;
 
@@ -26,15 +28,12 @@ pub struct PreparedTask {
     pub config: TaskConfig,
     pub epoch: EpochRecord,
     pub columns: Vec<Column>,
-    pub paused_reason: Option<String>,
+    /// The integer column holding each row's version; `None`: the cursor time.
+    pub version_column: Option<String>,
 }
 
 /// Connects to a task database, retrying while it is unreachable.
-pub async fn connect_database(
-    task: &str,
-    role: &str,
-    url: &str,
-) -> Result<PgPool, CoordinatorError> {
+pub async fn connect_database(task: &str, role: &str, url: &str) -> Result<PgPool, CoordinatorError> {
     let options = connect_options(url, "tidemark-coordinator")
         .map_err(|e| CoordinatorError::task_setup(task, format!("{role} URL: {e}")))?;
     let connect = || async {
@@ -45,7 +44,11 @@ pub async fn connect_database(
             .await
     };
     connect
-        .retry(ExponentialBuilder::default().with_max_times(6).with_max_delay(Duration::from_secs(10)))
+        .retry(
+            ExponentialBuilder::default()
+                .with_max_times(6)
+                .with_max_delay(Duration::from_secs(10)),
+        )
         .when(is_transient)
         .notify(|error, delay| {
             tracing::warn!(task, role, url = %redact_url(url), %error, ?delay, "database unreachable; retrying");
@@ -65,11 +68,12 @@ async fn introspect(
     role: &str,
     table: &TableName,
 ) -> Result<Option<Vec<SourceColumn>>, CoordinatorError> {
+    let query_error = |e: sqlx::Error| CoordinatorError::task_setup(task, format!("{role} table {table}: {e}"));
     let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
         .bind(table.quoted())
         .fetch_one(pool)
         .await
-        .map_err(|e| CoordinatorError::task_setup(task, format!("{role} table {table}: {e}")))?;
+        .map_err(query_error)?;
     if exists.is_none() {
         return Ok(None);
     }
@@ -80,7 +84,7 @@ async fn introspect(
     .bind(table.quoted())
     .fetch_all(pool)
     .await
-    .map_err(|e| CoordinatorError::task_setup(task, format!("{role} table {table}: {e}")))?;
+    .map_err(query_error)?;
     Ok(Some(
         rows.into_iter()
             .map(|row| SourceColumn {
@@ -95,11 +99,7 @@ async fn introspect(
 }
 
 /// Whether a unique, non-partial index (or the primary key) covers exactly `key`.
-async fn key_is_unique(
-    pool: &PgPool,
-    table: &TableName,
-    key: &[String],
-) -> Result<bool, CoordinatorError> {
+async fn key_is_unique(pool: &PgPool, table: &TableName, key: &[String]) -> Result<bool, CoordinatorError> {
     let indexes: Vec<Vec<String>> = sqlx::query_scalar(
         "SELECT array_agg(a.attname::text) FROM pg_index i \
          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
@@ -133,83 +133,118 @@ fn is_integer_type(sql_type: &str) -> bool {
     matches!(sql_type, "bigint" | "integer" | "smallint")
 }
 
-fn is_timestamp_type(sql_type: &str) -> bool {
-    sql_type.starts_with("timestamp")
-}
-
-/// Validates the source and target, plans the first epoch if the task has none, and returns
-/// the task as served.
-pub async fn prepare_task(
-    control: &ControlDb,
+/// Checks the task's contract against the source's columns; returns the version column.
+fn validate_columns(
     config: &TaskConfig,
-) -> Result<PreparedTask, CoordinatorError> {
+    source_table: &TableName,
+    columns: &[SourceColumn],
+) -> Result<Option<String>, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    let source_table =
-        TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
-    let target_table =
-        TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?;
-
-    let source = connect_database(task, "source", &config.source).await?;
-    let source_columns = introspect(&source, task, "source", &source_table)
-        .await?
-        .ok_or_else(|| setup(format!("source table {source_table} does not exist")))?;
-    let find = |name: &str| source_columns.iter().find(|c| c.column.name == name);
+    let find = |name: &str| columns.iter().find(|c| c.column.name == name);
     for key in &config.key {
-        let column = find(key).ok_or_else(|| {
-            setup(format!(
-                "key column {key:?} does not exist in {source_table}"
-            ))
-        })?;
+        let column = find(key).ok_or_else(|| setup(format!("key column {key:?} does not exist in {source_table}")))?;
         if !column.not_null {
             return Err(setup(format!(
                 "key column {key:?} of {source_table} is nullable; keys must be NOT NULL"
             )));
         }
     }
+    let first_key_type = &find(&config.key[0]).expect("checked above").column.sql_type;
+    if !is_integer_type(first_key_type) && first_key_type != "uuid" {
+        return Err(setup(format!(
+            "key column {:?} has type {first_key_type}; shards need an integer or uuid first key column",
+            config.key[0]
+        )));
+    }
+    if columns.iter().any(|c| c.column.name == VERSION_COLUMN) {
+        return Err(setup(format!(
+            "source table {source_table} has a column named {VERSION_COLUMN}, which Tidemark reserves"
+        )));
+    }
+    if let Some(cursor_column) = &config.cursor_column {
+        let cursor = find(cursor_column).ok_or_else(|| {
+            setup(format!(
+                "cursor_column {cursor_column:?} does not exist in {source_table}"
+            ))
+        })?;
+        if !cursor.not_null {
+            return Err(setup(format!(
+                "cursor_column {cursor_column:?} of {source_table} is nullable; the cursor column must be NOT NULL"
+            )));
+        }
+        if !cursor.column.sql_type.starts_with("timestamp") {
+            return Err(setup(format!(
+                "cursor_column {cursor_column:?} has type {}; it must be a timestamp",
+                cursor.column.sql_type
+            )));
+        }
+    }
+    let integer_not_null = |name: &str, hint: &str| -> Result<(), CoordinatorError> {
+        let column = find(name).ok_or_else(|| {
+            setup(format!(
+                "version column {name:?} does not exist in {source_table}{hint}"
+            ))
+        })?;
+        if !column.not_null || !is_integer_type(&column.column.sql_type) {
+            return Err(setup(format!(
+                "version column {name:?} of {source_table} must be a NOT NULL integer (it is {}{})",
+                column.column.sql_type,
+                if column.not_null { "" } else { ", nullable" }
+            )));
+        }
+        Ok(())
+    };
+    match (&config.mode, &config.version) {
+        (TaskMode::Append, _) => {
+            if !is_integer_type(first_key_type) {
+                return Err(setup(format!(
+                    "append mode needs an integer key; {:?} is {first_key_type}",
+                    config.key[0]
+                )));
+            }
+            Ok(Some(config.key[0].clone()))
+        }
+        (TaskMode::Upsert, VersionConfig::Cursor) => Ok(None),
+        (TaskMode::Upsert, VersionConfig::Column(column)) => {
+            integer_not_null(column, "")?;
+            Ok(Some(column.clone()))
+        }
+        (TaskMode::Upsert, VersionConfig::Trigger) => {
+            let hint = format!("; run `tidemark-coordinator source install --task {task}` first");
+            integer_not_null(TRIGGER_VERSION_COLUMN, &hint)?;
+            Ok(Some(TRIGGER_VERSION_COLUMN.to_string()))
+        }
+    }
+}
+
+/// Validates the source and target, plans the first epoch if the task has none, and returns
+/// the task as served.
+pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<PreparedTask, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let source_table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let target_table = TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?;
+
+    let source = connect_database(task, "source", &config.source).await?;
+    let source_columns = introspect(&source, task, "source", &source_table)
+        .await?
+        .ok_or_else(|| setup(format!("source table {source_table} does not exist")))?;
+    let version_column = validate_columns(config, &source_table, &source_columns)?;
     if !key_is_unique(&source, &source_table, &config.key).await? {
         return Err(setup(format!(
             "key ({}) of {source_table} is not unique: no unique index or primary key covers exactly these columns",
             config.key.join(", ")
         )));
     }
-    let cursor = find(&config.cursor_column).ok_or_else(|| {
-        setup(format!(
-            "cursor_column {:?} does not exist in {source_table}",
-            config.cursor_column
-        ))
-    })?;
-    if !cursor.not_null {
-        return Err(setup(format!(
-            "cursor_column {:?} of {source_table} is nullable; the cursor column must be NOT NULL",
-            config.cursor_column
-        )));
-    }
-    if !is_timestamp_type(&cursor.column.sql_type) {
-        return Err(setup(format!(
-            "cursor_column {:?} has type {}; it must be a timestamp",
-            config.cursor_column, cursor.column.sql_type
-        )));
-    }
-    let first_key = find(&config.key[0]).expect("checked above");
-    let first_key_type = first_key.column.sql_type.clone();
-    if !is_integer_type(&first_key_type) && first_key_type != "uuid" {
-        return Err(setup(format!(
-            "key column {:?} has type {first_key_type}; shards need an integer or uuid first key column",
-            config.key[0]
-        )));
-    }
-    if source_columns
-        .iter()
-        .any(|c| c.column.name == VERSION_COLUMN)
-    {
-        return Err(setup(format!(
-            "source table {source_table} has a column named {VERSION_COLUMN}, which Tidemark reserves"
-        )));
-    }
     let columns: Vec<Column> = source_columns.iter().map(|c| c.column.clone()).collect();
     let not_null: Vec<bool> = source_columns.iter().map(|c| c.not_null).collect();
     let current_schema_id = schema_id(&columns);
+    let first_key_type = source_columns
+        .iter()
+        .find(|c| c.column.name == config.key[0])
+        .map(|c| c.column.sql_type.clone())
+        .expect("validated");
 
     let epoch = match control.current_epoch(task).await? {
         Some(epoch) => epoch,
@@ -234,7 +269,6 @@ pub async fn prepare_task(
     };
     source.close().await;
 
-    let mut paused_reason = None;
     if epoch.schema_id != current_schema_id {
         let reason = format!(
             "schema changed: source columns of {source_table} no longer match epoch {} ({} != {}); reinitialization required",
@@ -242,14 +276,12 @@ pub async fn prepare_task(
         );
         tracing::error!(task, %reason, "pausing task");
         control.pause_task(task, &reason).await?;
-        paused_reason = Some(reason);
     }
-    let frozen_columns: Vec<Column> =
-        serde_json::from_value::<Vec<(String, String)>>(epoch.columns.clone())
-            .map_err(|e| setup(format!("stored epoch columns: {e}")))?
-            .into_iter()
-            .map(|(name, sql_type)| Column { name, sql_type })
-            .collect();
+    let frozen_columns: Vec<Column> = serde_json::from_value::<Vec<(String, String)>>(epoch.columns.clone())
+        .map_err(|e| setup(format!("stored epoch columns: {e}")))?
+        .into_iter()
+        .map(|(name, sql_type)| Column { name, sql_type })
+        .collect();
 
     let target = connect_database(task, "target", &config.target).await?;
     let sql = TableSql {
@@ -258,6 +290,7 @@ pub async fn prepare_task(
         columns: frozen_columns.clone(),
         key_columns: config.key.clone(),
         cursor_column: config.cursor_column.clone(),
+        version_column: version_column.clone(),
     };
     ensure_target(&target, task, &sql, &not_null).await?;
     target.close().await;
@@ -266,8 +299,21 @@ pub async fn prepare_task(
         config: config.clone(),
         epoch,
         columns: frozen_columns,
-        paused_reason,
+        version_column,
     })
+}
+
+/// H0's time: the source clock, held below the start of the oldest open transaction when the
+/// task uses the open-transaction bound (rows such a transaction writes carry later times).
+async fn start_time_micros(source: &PgPool, config: &TaskConfig) -> Result<i64, sqlx::Error> {
+    let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
+        .fetch_one(source)
+        .await?;
+    if !config.open_transaction_bound {
+        return Ok(now);
+    }
+    let oldest: Option<i64> = sqlx::query_scalar(OLDEST_OPEN_TRANSACTION).fetch_one(source).await?;
+    Ok(oldest.map_or(now, |o| o.min(now)))
 }
 
 async fn plan_epoch(
@@ -278,33 +324,26 @@ async fn plan_epoch(
     columns: &[Column],
     schema_id: &str,
 ) -> Result<EpochPlan, CoordinatorError> {
-    let first_key = quote_ident(&config.key[0]);
-    // uuid keys split by prefix and need no bounds (and PostgreSQL has no min(uuid)).
-    let bounds = if first_key_type == "uuid" {
-        "NULL::text, NULL::text".to_string()
-    } else {
-        format!("min({first_key})::text, max({first_key})::text")
+    let reading = |e: sqlx::Error| {
+        CoordinatorError::task_setup(&config.name, format!("reading the start bound from {table}: {e}"))
     };
-    let query = format!(
-        "SELECT (extract(epoch from now()) * 1000000)::bigint, {bounds} FROM {}",
-        table.quoted()
-    );
-    let row = sqlx::query(sqlx::AssertSqlSafe(query))
-        .fetch_one(source)
-        .await
-        .map_err(|e| {
-            CoordinatorError::task_setup(
-                &config.name,
-                format!("reading the start bound from {table}: {e}"),
-            )
-        })?;
-    let h0_time_micros: i64 = row.get(0);
+    let h0_time_micros = start_time_micros(source, config).await.map_err(reading)?;
     let (domain, h0_max_key) = if first_key_type == "uuid" {
+        // uuid keys split by prefix and need no bounds (and PostgreSQL has no min(uuid)).
         (KeyDomain::Uuid, None)
     } else {
+        let first_key = quote_ident(&config.key[0]);
+        let query = format!(
+            "SELECT min({first_key})::text, max({first_key})::text FROM {}",
+            table.quoted()
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(query))
+            .fetch_one(source)
+            .await
+            .map_err(reading)?;
         let parse = |text: Option<String>| text.and_then(|t| t.parse::<i64>().ok());
-        let min = parse(row.get(1));
-        let max = parse(row.get(2));
+        let min = parse(row.get(0));
+        let max = parse(row.get(1));
         let domain = KeyDomain::Integer {
             sql_type: first_key_type.to_string(),
             min: min.unwrap_or(0),
@@ -318,13 +357,6 @@ async fn plan_epoch(
         (domain, Some(h0_max))
     };
     let epoch = 1;
-    let incremental_start = Cursor::new(
-        epoch,
-        Position::Incremental {
-            t_micros: h0_time_micros - config.safety_delay.as_micros() as i64,
-            after_key: None,
-        },
-    );
     let columns_json = serde_json::to_value(
         columns
             .iter()
@@ -339,29 +371,21 @@ async fn plan_epoch(
         columns: columns_json,
         h0_time_micros,
         h0_max_key: h0_max_key.map(|k| serde_json::to_value(k).expect("key serializes")),
-        incremental_start,
-        ranges: plan_ranges(&domain, config.shards)
-            .iter()
-            .map(|r| r.encode())
-            .collect(),
+        // The first cycle re-reads [H0 − overlap, high): rows written during a long snapshot
+        // converge (convergent, not log-exact).
+        incremental_start: Cursor::incremental_at(epoch, h0_time_micros),
+        ranges: plan_ranges(&domain, config.shards).iter().map(|r| r.encode()).collect(),
     })
 }
 
 /// Creates the target table and the ledger when missing; an existing target table must carry
 /// the version column and every source column.
-async fn ensure_target(
-    target: &PgPool,
-    task: &str,
-    sql: &TableSql,
-    not_null: &[bool],
-) -> Result<(), CoordinatorError> {
+async fn ensure_target(target: &PgPool, task: &str, sql: &TableSql, not_null: &[bool]) -> Result<(), CoordinatorError> {
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    sqlx::query(LEDGER_DDL).execute(target).await.map_err(|e| {
-        setup(format!(
-            "creating {}: {e}",
-            tidemark_common::pg::LEDGER_TABLE
-        ))
-    })?;
+    sqlx::query(LEDGER_DDL)
+        .execute(target)
+        .await
+        .map_err(|e| setup(format!("creating {}: {e}", pg::LEDGER_TABLE)))?;
     match introspect(target, task, "target", &sql.target).await? {
         None => {
             let ddl = sql.create_target_table(not_null);
@@ -388,4 +412,62 @@ async fn ensure_target(
         }
     }
     Ok(())
+}
+
+/// `tidemark-coordinator source install --task T`: adds `tidemark_row_version` to the
+/// source table, fed by a global sequence on every insert and update, so that versions are
+/// monotone per key whatever the clocks do and across delete/re-insert. Existing rows get a
+/// version in one UPDATE (this rewrites the table: run it before the first sync, at a quiet
+/// time). Idempotent.
+pub async fn install_trigger_version(config: &TaskConfig) -> Result<String, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let source = connect_database(task, "source", &config.source).await?;
+    let columns = introspect(&source, task, "source", &table)
+        .await?
+        .ok_or_else(|| setup(format!("source table {table} does not exist")))?;
+    let column = quote_ident(TRIGGER_VERSION_COLUMN);
+    let sequence = quote_ident(&format!("{}_{}_version_seq", table.name, "tidemark"));
+    let qualified_sequence = format!("{}.{}", quote_ident(&table.schema), sequence);
+    let function = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&format!("tidemark_version_{}", table.name))
+    );
+    let trigger = quote_ident(&format!("tidemark_version_{}", table.name));
+    let has_column = columns.iter().any(|c| c.column.name == TRIGGER_VERSION_COLUMN);
+    let mut statements = vec![format!("CREATE SEQUENCE IF NOT EXISTS {qualified_sequence}")];
+    if !has_column {
+        statements.push(format!("ALTER TABLE {} ADD COLUMN {column} bigint", table.quoted()));
+        statements.push(format!(
+            "UPDATE {} SET {column} = nextval('{qualified_sequence}')",
+            table.quoted()
+        ));
+        statements.push(format!(
+            "ALTER TABLE {} ALTER COLUMN {column} SET DEFAULT nextval('{qualified_sequence}'), ALTER COLUMN {column} SET NOT NULL",
+            table.quoted()
+        ));
+    }
+    statements.push(format!(
+        "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN NEW.{column} := nextval('{qualified_sequence}'); RETURN NEW; END $$"
+    ));
+    statements.push(format!("DROP TRIGGER IF EXISTS {trigger} ON {}", table.quoted()));
+    statements.push(format!(
+        "CREATE TRIGGER {trigger} BEFORE INSERT OR UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {function}()",
+        table.quoted()
+    ));
+    let mut tx = source.begin().await?;
+    for statement in &statements {
+        sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| setup(format!("installing the version trigger on {table}: {e}")))?;
+    }
+    tx.commit().await?;
+    source.close().await;
+    Ok(format!(
+        "task {task}: {table}.{TRIGGER_VERSION_COLUMN} is maintained by trigger {trigger} from sequence {qualified_sequence}"
+    ))
 }

@@ -9,6 +9,8 @@ use tidemark_proto::v1::admin_service_server::AdminService;
 use tidemark_proto::v1::worker_service_server::WorkerService;
 use tonic::{Request, Response, Status};
 
+use tidemark_common::config::TaskMode;
+
 use crate::checkpoints::{CommitBatch, ControlDb, RegisterBatch, ShardKey, parse_request_cursor};
 use crate::error::CoordinatorError;
 use crate::leases::Leases;
@@ -49,7 +51,7 @@ impl CoordinatorService {
             target_url: config.target.clone(),
             target_table: config.target_table.clone(),
             key_columns: config.key.clone(),
-            cursor_column: config.cursor_column.clone(),
+            cursor_column: config.cursor_column.clone().unwrap_or_default(),
             page_size: config.page_size,
             safety_delay_ms: config.safety_delay.as_millis() as u64,
             poll_interval_ms: config.poll_interval.as_millis() as u64,
@@ -64,32 +66,27 @@ impl CoordinatorService {
             schema_id: task.epoch.schema_id.clone(),
             staging_url: self.inner.staging_url.clone(),
             lease_ttl_ms: self.inner.leases.ttl().as_millis() as u64,
+            mode: match config.mode {
+                TaskMode::Upsert => "upsert".into(),
+                TaskMode::Append => "append".into(),
+            },
+            version_column: task.version_column.clone().unwrap_or_default(),
+            overlap_ms: config.overlap.as_millis() as u64,
+            open_transaction_bound: config.open_transaction_bound,
         }
     }
 
-    async fn acquire(
-        &self,
-        worker_id: &str,
-        lease_id: i64,
-    ) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
+    async fn acquire(&self, worker_id: &str, lease_id: i64) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
         let coordinator = &self.inner;
         if !coordinator.leases.lease_alive(lease_id).await? {
             return Err(CoordinatorError::LeaseExpired { lease_id });
         }
-        let active: Vec<String> = coordinator
-            .tasks
-            .values()
-            .filter(|t| t.paused_reason.is_none())
-            .map(|t| t.config.name.clone())
-            .collect();
+        // Paused tasks are filtered in the control database, which every replica shares.
+        let active: Vec<String> = coordinator.tasks.keys().cloned().collect();
         let candidates = coordinator.control.shard_candidates(&active).await?;
         let owners = coordinator.leases.owners().await?;
         for shard in candidates.into_iter().filter(|s| !owners.contains_key(s)) {
-            let Some(fence) = coordinator
-                .leases
-                .try_claim(&shard, worker_id, lease_id)
-                .await?
-            else {
+            let Some(fence) = coordinator.leases.try_claim(&shard, worker_id, lease_id).await? else {
                 continue;
             };
             match self.assign(&shard, fence, worker_id).await {
@@ -123,10 +120,7 @@ impl CoordinatorService {
             coordinator.leases.release(shard, fence).await?;
             return Ok(None);
         };
-        let pending = coordinator
-            .control
-            .pending_batch(shard, &record.cursor)
-            .await?;
+        let pending = coordinator.control.pending_batch(shard, &record.cursor).await?;
         let task = self.task(&shard.task)?;
         tracing::info!(
             task = %shard.task, shard = shard.shard_id, worker = worker_id, fence,
@@ -252,6 +246,7 @@ impl WorkerService for CoordinatorService {
                 row_count: request.row_count,
                 empty: request.empty,
                 replayed: request.replayed,
+                late_row_lateness_micros: &request.late_row_lateness_micros,
             })
             .await;
         match result {
@@ -269,10 +264,7 @@ impl WorkerService for CoordinatorService {
     ) -> Result<Response<pb::ReleaseShardResponse>, Status> {
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
-        self.inner
-            .leases
-            .release(&shard, request.fence_token)
-            .await?;
+        self.inner.leases.release(&shard, request.fence_token).await?;
         self.inner
             .control
             .release(&shard, request.fence_token, &request.worker_id)
@@ -284,65 +276,99 @@ impl WorkerService for CoordinatorService {
 
 #[tonic::async_trait]
 impl AdminService for CoordinatorService {
-    async fn status(
-        &self,
-        _request: Request<pb::StatusRequest>,
-    ) -> Result<Response<pb::StatusResponse>, Status> {
+    async fn status(&self, _request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
         let rows = self.inner.control.status().await?;
         let owners = self.inner.leases.owners().await?;
-        let tasks = rows
-            .into_iter()
-            .map(|task| {
-                let snapshot_complete = task.shards.iter().all(|s| s.cursor.is_incremental());
-                let watermark_micros = if snapshot_complete {
-                    task.shards
-                        .iter()
-                        .filter_map(|s| s.cursor.incremental_time())
-                        .min()
-                } else {
-                    None
-                };
-                let phase = if task.paused_reason.is_some() {
-                    "paused"
-                } else if snapshot_complete {
-                    "incremental"
-                } else {
-                    "snapshot"
-                };
-                let shards: Vec<pb::ShardStatus> = task
-                    .shards
-                    .iter()
-                    .map(|shard| {
-                        let owner = owners.get(&shard_key(&task.name, task.epoch, shard.shard_id));
-                        pb::ShardStatus {
-                            id: shard.shard_id,
-                            range: shard.range.clone(),
-                            owner: owner.map(|(worker, _)| worker.clone()).unwrap_or_default(),
-                            phase: shard.phase.to_lowercase(),
-                            state: if task.paused_reason.is_some() {
-                                "paused".into()
-                            } else if owner.is_some() {
-                                "owned".into()
-                            } else {
-                                "unowned".into()
-                            },
-                            rows_applied: shard.rows_applied,
-                            cursor: shard.cursor.encode(),
-                        }
-                    })
-                    .collect();
-                pb::TaskStatus {
-                    name: task.name,
-                    epoch: task.epoch,
-                    phase: phase.into(),
-                    snapshot_complete,
-                    rows_applied: task.shards.iter().map(|s| s.rows_applied).sum(),
-                    watermark_micros,
-                    shards,
-                    paused_reason: task.paused_reason.unwrap_or_default(),
-                }
-            })
-            .collect();
+        let mut tasks = Vec::with_capacity(rows.len());
+        for task in rows {
+            let lateness = self.inner.control.lateness(&task.name, task.epoch).await?;
+            let overlap = self
+                .inner
+                .tasks
+                .get(&task.name)
+                .map(|t| t.config.overlap)
+                .unwrap_or_default();
+            let mut warnings = Vec::new();
+            if lateness.max_micros > (overlap.as_micros() as i64) / 2 {
+                warnings.push(format!(
+                    "late rows arrived up to {:.1}s late, more than half the overlap ({:.1}s): raise `overlap`",
+                    lateness.max_micros as f64 / 1e6,
+                    overlap.as_secs_f64()
+                ));
+            }
+            let snapshot_complete = task.shards.iter().all(|s| s.cursor.is_incremental());
+            let watermark_micros = if snapshot_complete {
+                task.shards.iter().filter_map(|s| s.cursor.incremental_time()).min()
+            } else {
+                None
+            };
+            let phase = if task.paused_reason.is_some() {
+                "paused"
+            } else if snapshot_complete {
+                "incremental"
+            } else {
+                "snapshot"
+            };
+            let shards: Vec<pb::ShardStatus> = task
+                .shards
+                .iter()
+                .map(|shard| {
+                    let owner = owners.get(&shard_key(&task.name, task.epoch, shard.shard_id));
+                    pb::ShardStatus {
+                        id: shard.shard_id,
+                        range: shard.range.clone(),
+                        owner: owner.map(|(worker, _)| worker.clone()).unwrap_or_default(),
+                        phase: shard.phase.to_lowercase(),
+                        state: if task.paused_reason.is_some() {
+                            "paused".into()
+                        } else if owner.is_some() {
+                            "owned".into()
+                        } else {
+                            "unowned".into()
+                        },
+                        rows_applied: shard.rows_applied,
+                        cursor: shard.cursor.encode(),
+                    }
+                })
+                .collect();
+            tasks.push(pb::TaskStatus {
+                name: task.name,
+                epoch: task.epoch,
+                phase: phase.into(),
+                snapshot_complete,
+                rows_applied: task.shards.iter().map(|s| s.rows_applied).sum(),
+                watermark_micros,
+                shards,
+                paused_reason: task.paused_reason.unwrap_or_default(),
+                late_rows: lateness.count,
+                late_p99_micros: lateness.p99_micros,
+                late_max_micros: lateness.max_micros,
+                warnings,
+                overlap_ms: overlap.as_millis() as u64,
+            });
+        }
         Ok(Response::new(pb::StatusResponse { tasks }))
+    }
+
+    async fn pause_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::TaskResponse>, Status> {
+        let request = request.into_inner();
+        self.task(&request.task)?;
+        let reason = if request.reason.is_empty() {
+            "paused by operator".to_string()
+        } else {
+            request.reason
+        };
+        if self.inner.control.pause_task(&request.task, &reason).await? {
+            tracing::warn!(task = %request.task, %reason, "task paused");
+        }
+        Ok(Response::new(pb::TaskResponse {}))
+    }
+
+    async fn resume_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::TaskResponse>, Status> {
+        let request = request.into_inner();
+        self.task(&request.task)?;
+        self.inner.control.resume_task(&request.task).await?;
+        tracing::info!(task = %request.task, "task resumed");
+        Ok(Response::new(pb::TaskResponse {}))
     }
 }

@@ -18,7 +18,8 @@ pub fn to_json(status: &pb::StatusResponse) -> serde_json::Value {
                 .shards
                 .iter()
                 .map(|shard| {
-                    let cursor: serde_json::Value = serde_json::from_str(&shard.cursor).unwrap_or(serde_json::Value::Null);
+                    let cursor: serde_json::Value =
+                        serde_json::from_str(&shard.cursor).unwrap_or(serde_json::Value::Null);
                     json!({
                         "id": shard.id,
                         "range": range_text(&shard.range),
@@ -60,8 +61,7 @@ pub fn to_table(status: &pb::StatusResponse) -> String {
             task.epoch,
             task.phase,
             task.rows_applied,
-            task.watermark_micros
-                .map_or_else(|| "-".to_string(), format_micros)
+            task.watermark_micros.map_or_else(|| "-".to_string(), format_micros)
         ));
         if !task.paused_reason.is_empty() {
             out.push_str(&format!("  paused: {}\n", task.paused_reason));
@@ -71,17 +71,12 @@ pub fn to_table(status: &pb::StatusResponse) -> String {
             "shard", "range", "owner", "phase", "rows", "cursor"
         ));
         for shard in &task.shards {
-            let cursor =
-                Cursor::decode(&shard.cursor).map_or_else(|e| e.to_string(), |c| c.describe());
+            let cursor = Cursor::decode(&shard.cursor).map_or_else(|e| e.to_string(), |c| c.describe());
             out.push_str(&format!(
                 "  {:>5}  {:<44}  {:<12}  {:<8}  {:>12}  {}\n",
                 shard.id,
                 range_text(&shard.range),
-                if shard.owner.is_empty() {
-                    "-"
-                } else {
-                    &shard.owner
-                },
+                if shard.owner.is_empty() { "-" } else { &shard.owner },
                 shard.phase,
                 shard.rows_applied,
                 cursor

@@ -15,16 +15,11 @@ use tidemark_proto::v1 as pb;
 use tidemark_proto::v1::admin_service_client::AdminServiceClient;
 
 pub fn pg_base_url() -> String {
-    std::env::var("TIDEMARK_TEST_PG")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+    std::env::var("TIDEMARK_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -75,11 +70,7 @@ impl TestDb {
             .unwrap();
         admin.close().await;
         let url = format!("{}/{name}", pg_base_url());
-        let pool = PgPoolOptions::new()
-            .max_connections(4)
-            .connect(&url)
-            .await
-            .unwrap();
+        let pool = PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
         TestDb { name, url, pool }
     }
 
@@ -94,17 +85,8 @@ impl TestDb {
 impl Drop for TestDb {
     fn drop(&mut self) {
         let _ = Command::new("psql")
-            .args([
-                "-X",
-                "-q",
-                "-d",
-                &format!("{}/postgres", pg_base_url()),
-                "-c",
-            ])
-            .arg(format!(
-                "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
-                self.name
-            ))
+            .args(["-X", "-q", "-d", &format!("{}/postgres", pg_base_url()), "-c"])
+            .arg(format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
@@ -127,19 +109,10 @@ impl Etcd {
         let child = Command::new("etcd")
             .args(["--name", "t", "--data-dir"])
             .arg(dir.0.join("data"))
-            .args([
-                "--listen-client-urls",
-                &format!("http://127.0.0.1:{client}"),
-            ])
-            .args([
-                "--advertise-client-urls",
-                &format!("http://127.0.0.1:{client}"),
-            ])
+            .args(["--listen-client-urls", &format!("http://127.0.0.1:{client}")])
+            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{client}")])
             .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
-            .args([
-                "--initial-advertise-peer-urls",
-                &format!("http://127.0.0.1:{peer}"),
-            ])
+            .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
             .args(["--initial-cluster", &format!("t=http://127.0.0.1:{peer}")])
             .stdout(Stdio::null())
             .stderr(log)
@@ -148,10 +121,7 @@ impl Etcd {
         let endpoint = format!("http://127.0.0.1:{client}");
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "etcd did not listen on {endpoint}"
-            );
+            assert!(Instant::now() < deadline, "etcd did not listen on {endpoint}");
             std::thread::sleep(Duration::from_millis(50));
         }
         Etcd {
@@ -190,13 +160,7 @@ pub struct Process {
 }
 
 impl Process {
-    pub fn spawn(
-        name: &str,
-        program: &Path,
-        args: &[&str],
-        env: &[(&str, &str)],
-        dir: &Path,
-    ) -> Process {
+    pub fn spawn(name: &str, program: &Path, args: &[&str], env: &[(&str, &str)], dir: &Path) -> Process {
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let mut command = Command::new(program);
@@ -273,6 +237,10 @@ pub struct TaskSettings {
     pub safety_delay: &'static str,
     pub poll_interval: &'static str,
     pub lease_ttl: &'static str,
+    pub overlap: &'static str,
+    pub open_transaction_bound: bool,
+    /// Extra `key = value` lines for the task table.
+    pub extra: String,
 }
 
 impl Default for TaskSettings {
@@ -286,6 +254,9 @@ impl Default for TaskSettings {
             safety_delay: "1s",
             poll_interval: "200ms",
             lease_ttl: "4s",
+            overlap: "2s",
+            open_transaction_bound: true,
+            extra: String::new(),
         }
     }
 }
@@ -324,12 +295,7 @@ impl Cluster {
     pub fn write_config(&mut self, task: &TaskSettings) -> PathBuf {
         let port = free_port();
         self.address = format!("http://127.0.0.1:{port}");
-        let key = task
-            .key
-            .iter()
-            .map(|k| format!("{k:?}"))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let key = task.key.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", ");
         let config = format!(
             r#"[coordinator]
 listen = "127.0.0.1:{port}"
@@ -345,11 +311,14 @@ source_table = "{source_table}"
 target = "{target}"
 target_table = "public.items"
 key = [{key}]
-cursor_column = "{cursor}"
+{cursor_line}
 shards = {shards}
 page_size = {page_size}
 safety_delay = "{safety}"
 poll_interval = "{poll}"
+overlap = "{overlap}"
+open_transaction_bound = {bound}
+{extra}
 "#,
             etcd = self.etcd.endpoint,
             control = self.control.url,
@@ -358,11 +327,18 @@ poll_interval = "{poll}"
             source = self.source.url,
             source_table = task.source_table,
             target = self.target.url,
-            cursor = task.cursor_column,
+            cursor_line = if task.cursor_column.is_empty() {
+                String::new()
+            } else {
+                format!("cursor_column = {:?}", task.cursor_column)
+            },
             shards = task.shards,
             page_size = task.page_size,
             safety = task.safety_delay,
             poll = task.poll_interval,
+            overlap = task.overlap,
+            bound = task.open_transaction_bound,
+            extra = task.extra,
         );
         self.config_path = self.dir.0.join("tidemark.toml");
         std::fs::write(&self.config_path, config).unwrap();
@@ -390,10 +366,7 @@ poll_interval = "{poll}"
                     self.coordinator.as_ref().unwrap().log_text()
                 );
             }
-            assert!(
-                Instant::now() < deadline,
-                "coordinator did not answer within 60 s"
-            );
+            assert!(Instant::now() < deadline, "coordinator did not answer within 60 s");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -403,14 +376,7 @@ poll_interval = "{poll}"
         let worker = Process::spawn(
             id,
             &binary("tidemark-worker"),
-            &[
-                "--coordinator",
-                &self.address,
-                "--id",
-                id,
-                "--max-shards",
-                &max,
-            ],
+            &["--coordinator", &self.address, "--id", id, "--max-shards", &max],
             env,
             &self.dir.0,
         );
@@ -419,10 +385,22 @@ poll_interval = "{poll}"
     }
 
     pub async fn try_status(&self) -> Option<pb::StatusResponse> {
-        let mut client = AdminServiceClient::connect(self.address.clone())
-            .await
-            .ok()?;
+        let mut client = AdminServiceClient::connect(self.address.clone()).await.ok()?;
         Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
+    }
+
+    /// Runs `tidemark-coordinator ARGS…` against this cluster and returns (success, stdout,
+    /// stderr).
+    pub fn cli(&self, args: &[&str]) -> (bool, String, String) {
+        let output = Command::new(binary("tidemark-coordinator"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
     }
 
     pub async fn task_status(&self) -> pb::TaskStatus {
@@ -505,12 +483,7 @@ impl Diff {
     }
 }
 
-async fn key_states(
-    pool: &PgPool,
-    key: &[&str],
-    columns: &[&str],
-    version_expr: &str,
-) -> BTreeMap<String, KeyState> {
+async fn key_states(pool: &PgPool, key: &[&str], columns: &[&str], version_expr: &str) -> BTreeMap<String, KeyState> {
     let key_expr = format!("json_build_array({})::text", key.join(", "));
     let row_expr = format!("json_build_array({})::text", columns.join(", "));
     let sql = format!("SELECT {key_expr}, {row_expr}, {version_expr} FROM items");
@@ -534,13 +507,7 @@ async fn key_states(
 /// Expected(Source, boundary = everything committed before the watermark, deletes = none):
 /// every source key present in the target with every column equal and version = the cursor
 /// time in microseconds; no other keys in the target.
-pub async fn compare(
-    source: &PgPool,
-    target: &PgPool,
-    key: &[&str],
-    columns: &[&str],
-    cursor: &str,
-) -> Diff {
+pub async fn compare(source: &PgPool, target: &PgPool, key: &[&str], columns: &[&str], cursor: &str) -> Diff {
     let expected = key_states(
         source,
         key,
@@ -556,17 +523,11 @@ pub async fn compare(
     for (key, want) in &expected {
         match actual.get(key) {
             None => diff.lost.push(key.clone()),
-            Some(have) if have != want => {
-                diff.stale.push((key.clone(), want.clone(), have.clone()))
-            }
+            Some(have) if have != want => diff.stale.push((key.clone(), want.clone(), have.clone())),
             Some(_) => {}
         }
     }
-    diff.phantom = actual
-        .keys()
-        .filter(|k| !expected.contains_key(*k))
-        .cloned()
-        .collect();
+    diff.phantom = actual.keys().filter(|k| !expected.contains_key(*k)).cloned().collect();
     diff
 }
 
@@ -578,16 +539,7 @@ pub enum KeyKind {
 }
 
 /// Columns compared per key (every column of the fixture).
-pub const ITEM_COLUMNS: &[&str] = &[
-    "id",
-    "seq",
-    "name",
-    "qty",
-    "price",
-    "payload",
-    "note",
-    "updated_at",
-];
+pub const ITEM_COLUMNS: &[&str] = &["id", "seq", "name", "qty", "price", "payload", "note", "updated_at"];
 
 /// Creates `items` with `rows` rows: text with tabs, newlines, backslashes, quotes and
 /// non-ASCII; NULLs; numerics; jsonb; cursor times spread over the last hour with ties.

@@ -21,15 +21,8 @@ fn serve_error(cluster: &Cluster, name: &str) -> String {
     assert!(!status.success(), "{name}: exit status {status}");
     let log = process.log_text();
     let error_lines: Vec<&str> = log.lines().filter(|l| l.starts_with("error: ")).collect();
-    assert_eq!(
-        error_lines.len(),
-        1,
-        "{name}: one error line expected, got:\n{log}"
-    );
-    assert!(
-        !log.contains("panicked"),
-        "{name}: no panic for bad input:\n{log}"
-    );
+    assert_eq!(error_lines.len(), 1, "{name}: one error line expected, got:\n{log}");
+    assert!(!log.contains("panicked"), "{name}: no panic for bad input:\n{log}");
     error_lines[0].to_string()
 }
 
@@ -51,10 +44,7 @@ async fn bad_config_and_bad_tables_are_named() {
     // A missing environment variable in `${…}`.
     std::fs::write(
         &config,
-        text.replace(
-            "lease_ttl = \"4s\"",
-            "lease_ttl = \"${TIDEMARK_TEST_UNSET_TTL}\"",
-        ),
+        text.replace("lease_ttl = \"4s\"", "lease_ttl = \"${TIDEMARK_TEST_UNSET_TTL}\""),
     )
     .unwrap();
     let error = serve_error(&cluster, "missing-env");
@@ -110,10 +100,7 @@ async fn bad_config_and_bad_tables_are_named() {
         ..TaskSettings::default()
     });
     let error = serve_error(&cluster, "text-cursor");
-    assert!(
-        error.contains("cursor_column \"name\" has type text"),
-        "{error}"
-    );
+    assert!(error.contains("cursor_column \"name\" has type text"), "{error}");
 
     // Nothing was planned for a task that failed validation.
     let tasks: i64 = sqlx::query_scalar("SELECT count(*) FROM tasks")

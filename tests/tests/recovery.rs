@@ -9,48 +9,35 @@ use sqlx::Row;
 use tidemark_common::cursor::{Cursor, KeyValue, Position};
 use tidemark_proto::v1 as pb;
 use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
-use tidemark_tests::{
-    Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, compare, create_items, insert_items,
-};
+use tidemark_tests::{Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, compare, create_items, insert_items};
 
 /// Every committed batch is in the target ledger exactly once with the registered content,
 /// and per shard the checkpoint history never goes backwards.
 async fn assert_batch_protocol_held(cluster: &Cluster) {
-    let committed = sqlx::query(
-        "SELECT batch_id, row_count, content_hash FROM batches WHERE state = 'COMMITTED'",
-    )
-    .fetch_all(&cluster.control.pool)
-    .await
-    .unwrap();
+    let committed = sqlx::query("SELECT batch_id, row_count, content_hash FROM batches WHERE state = 'COMMITTED'")
+        .fetch_all(&cluster.control.pool)
+        .await
+        .unwrap();
     assert!(!committed.is_empty());
     for row in &committed {
         let batch_id: String = row.get(0);
-        let ledger =
-            sqlx::query("SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = $1")
-                .bind(&batch_id)
-                .fetch_optional(&cluster.target.pool)
-                .await
-                .unwrap()
-                .unwrap_or_else(|| {
-                    panic!("committed batch {batch_id} is not in the target ledger")
-                });
-        assert_eq!(
-            ledger.get::<i64, _>(0),
-            row.get::<i64, _>(1),
-            "row count of {batch_id}"
-        );
+        let ledger = sqlx::query("SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = $1")
+            .bind(&batch_id)
+            .fetch_optional(&cluster.target.pool)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("committed batch {batch_id} is not in the target ledger"));
+        assert_eq!(ledger.get::<i64, _>(0), row.get::<i64, _>(1), "row count of {batch_id}");
         assert_eq!(
             ledger.get::<String, _>(1),
             row.get::<String, _>(2),
             "content of {batch_id}"
         );
     }
-    let history = sqlx::query(
-        "SELECT shard_id, version, fence FROM checkpoint_history ORDER BY shard_id, id",
-    )
-    .fetch_all(&cluster.control.pool)
-    .await
-    .unwrap();
+    let history = sqlx::query("SELECT shard_id, version, fence FROM checkpoint_history ORDER BY shard_id, id")
+        .fetch_all(&cluster.control.pool)
+        .await
+        .unwrap();
     for pair in history.windows(2) {
         if pair[0].get::<i32, _>(0) != pair[1].get::<i32, _>(0) {
             continue;
@@ -93,24 +80,16 @@ async fn worker_killed_mid_snapshot_and_pending_batch_replayed() {
         })
         .await;
     cluster.workers[victim].kill9();
-    assert!(
-        !status.snapshot_complete,
-        "the kill must land mid-snapshot: {status:?}"
-    );
+    assert!(!status.snapshot_complete, "the kill must land mid-snapshot: {status:?}");
     let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM batches WHERE state = 'STAGED'")
         .fetch_one(&cluster.control.pool)
         .await
         .unwrap();
-    assert!(
-        pending >= 1,
-        "the crasher left a registered, uncommitted batch"
-    );
+    assert!(pending >= 1, "the crasher left a registered, uncommitted batch");
 
     cluster.spawn_worker("rescuer", 8, &[]);
     cluster
-        .wait_for("snapshot complete", Duration::from_secs(180), |t| {
-            t.snapshot_complete
-        })
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
         .await;
     compare(
         &cluster.source.pool,
@@ -123,21 +102,19 @@ async fn worker_killed_mid_snapshot_and_pending_batch_replayed() {
     .assert_clean("after the kills");
 
     // The crasher's batch was re-applied from staging by the new owner and committed once.
-    let replayed =
-        sqlx::query("SELECT batch_id, fence FROM batches WHERE replayed AND state = 'COMMITTED'")
-            .fetch_all(&cluster.control.pool)
-            .await
-            .unwrap();
+    let replayed = sqlx::query("SELECT batch_id, fence FROM batches WHERE replayed AND state = 'COMMITTED'")
+        .fetch_all(&cluster.control.pool)
+        .await
+        .unwrap();
     assert!(!replayed.is_empty(), "a pending batch was replayed");
     for row in &replayed {
         let batch_id: String = row.get(0);
         let registered_fence: i64 = row.get(1);
-        let committed_fence: i64 =
-            sqlx::query_scalar("SELECT fence FROM checkpoint_history WHERE batch_id = $1")
-                .bind(&batch_id)
-                .fetch_one(&cluster.control.pool)
-                .await
-                .unwrap();
+        let committed_fence: i64 = sqlx::query_scalar("SELECT fence FROM checkpoint_history WHERE batch_id = $1")
+            .bind(&batch_id)
+            .fetch_one(&cluster.control.pool)
+            .await
+            .unwrap();
         assert!(
             committed_fence > registered_fence,
             "replayed batch {batch_id} was committed by a later owner"
@@ -178,9 +155,7 @@ async fn batch_staged_but_never_registered_is_restaged_by_the_next_owner() {
     // The next owner reads the same bounds (same batch id) and must stage its own manifest.
     cluster.spawn_worker("second", 1, &[]);
     cluster
-        .wait_for("snapshot complete", Duration::from_secs(60), |t| {
-            t.snapshot_complete
-        })
+        .wait_for("snapshot complete", Duration::from_secs(60), |t| t.snapshot_complete)
         .await;
     compare(
         &cluster.source.pool,
@@ -195,9 +170,7 @@ async fn batch_staged_but_never_registered_is_restaged_by_the_next_owner() {
 }
 
 async fn worker_client(cluster: &Cluster) -> WorkerServiceClient<tonic::transport::Channel> {
-    WorkerServiceClient::connect(cluster.address.clone())
-        .await
-        .unwrap()
+    WorkerServiceClient::connect(cluster.address.clone()).await.unwrap()
 }
 
 async fn checkpoint_row(cluster: &Cluster, shard_id: u32) -> (serde_json::Value, i64, i64) {
@@ -297,21 +270,14 @@ async fn commit_with_a_stale_fence_is_refused() {
         row_count: 0,
         empty: true,
         replayed: false,
+        late_row_lateness_micros: vec![],
     };
     let refused = client
         .commit_batch(commit(zombie.fence_token, zombie.checkpoint_version))
         .await
         .unwrap_err();
-    assert_eq!(
-        refused.code(),
-        tonic::Code::FailedPrecondition,
-        "{refused:?}"
-    );
-    assert!(
-        refused.message().contains("fenced"),
-        "{}",
-        refused.message()
-    );
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+    assert!(refused.message().contains("fenced"), "{}", refused.message());
     let refused_register = client
         .register_batch(pb::RegisterBatchRequest {
             worker_id: "zombie".into(),
@@ -347,10 +313,7 @@ async fn commit_with_a_stale_fence_is_refused() {
     assert_eq!(Cursor::decode(&cursor.to_string()).unwrap(), upper);
     assert_eq!(
         (version, fence),
-        (
-            owner.checkpoint_version as i64 + 1,
-            owner.fence_token as i64
-        )
+        (owner.checkpoint_version as i64 + 1, owner.fence_token as i64)
     );
     let conflict = client
         .commit_batch(commit(owner.fence_token, owner.checkpoint_version))
@@ -372,17 +335,17 @@ async fn four_thousand_rows_in_one_millisecond_survive_a_crash_between_pages() {
         .start(&TaskSettings {
             shards: 1,
             page_size: 1000,
+            // No overlap re-read: the batches below must be exactly the four pages.
+            overlap: "0s",
             ..TaskSettings::default()
         })
         .await;
     // Aborts right after its second committed page.
     let first = cluster.spawn_worker("first", 1, &[("TIDEMARK_CRASH_AT", "after_commit:2")]);
     cluster
-        .wait_for(
-            "snapshot of the empty table",
-            Duration::from_secs(60),
-            |t| t.snapshot_complete,
-        )
+        .wait_for("snapshot of the empty table", Duration::from_secs(60), |t| {
+            t.snapshot_complete
+        })
         .await;
 
     // One transaction, one now(): 4,000 rows share one millisecond.
@@ -401,17 +364,14 @@ async fn four_thousand_rows_in_one_millisecond_survive_a_crash_between_pages() {
     let cursor = Cursor::decode(&cursor.to_string()).unwrap();
     match &cursor.position {
         Position::Incremental {
-            after_key: Some(key),
-            ..
+            after_key: Some(key), ..
         } => assert_eq!(key[0].value, "2000", "two pages of 1,000 committed"),
         other => panic!("expected a mid-millisecond cursor, got {other:?}"),
     }
 
     cluster.spawn_worker("second", 1, &[]);
     let end = cluster.source_now_micros().await;
-    cluster
-        .wait_for_watermark(end, Duration::from_secs(60))
-        .await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
     let diff = compare(
         &cluster.source.pool,
         &cluster.target.pool,
@@ -424,19 +384,17 @@ async fn four_thousand_rows_in_one_millisecond_survive_a_crash_between_pages() {
     assert_eq!(diff.keys, 4000);
 
     // None skipped, none read twice: four batches of 1,000 whose bounds chain.
-    let batches = sqlx::query("SELECT row_count, lower, upper FROM batches WHERE state = 'COMMITTED' ORDER BY committed_at")
-        .fetch_all(&cluster.control.pool)
-        .await
-        .unwrap();
+    let batches =
+        sqlx::query("SELECT row_count, lower, upper FROM batches WHERE state = 'COMMITTED' ORDER BY committed_at")
+            .fetch_all(&cluster.control.pool)
+            .await
+            .unwrap();
     let counts: Vec<i64> = batches.iter().map(|b| b.get(0)).collect();
     assert_eq!(counts, vec![1000, 1000, 1000, 1000]);
     for pair in batches.windows(2) {
         let upper: serde_json::Value = pair[0].get(2);
         let lower: serde_json::Value = pair[1].get(1);
-        assert_eq!(
-            upper, lower,
-            "each page starts where the previous one ended"
-        );
+        assert_eq!(upper, lower, "each page starts where the previous one ended");
     }
     let ledger_rows: i64 = sqlx::query_scalar("SELECT sum(row_count)::bigint FROM tidemark_ledger")
         .fetch_one(&cluster.target.pool)

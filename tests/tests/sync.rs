@@ -5,9 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use tidemark_tests::{
-    Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, binary, compare, create_items, write_changes,
-};
+use tidemark_tests::{Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, binary, compare, create_items, write_changes};
 
 async fn snapshot_then_incremental(tag: &str, key: KeyKind) {
     let rows = 200_000;
@@ -20,9 +18,7 @@ async fn snapshot_then_incremental(tag: &str, key: KeyKind) {
     }
 
     let status = cluster
-        .wait_for("snapshot complete", Duration::from_secs(300), |t| {
-            t.snapshot_complete
-        })
+        .wait_for("snapshot complete", Duration::from_secs(300), |t| t.snapshot_complete)
         .await;
     assert_eq!(status.shards.len(), 8);
     let owners: BTreeSet<&str> = status.shards.iter().map(|s| s.owner.as_str()).collect();
@@ -43,9 +39,7 @@ async fn snapshot_then_incremental(tag: &str, key: KeyKind) {
 
     // 5,000 updates and 5,000 inserts while the workers run.
     let writes_end = write_changes(&cluster.source, key, rows, 20).await;
-    cluster
-        .wait_for_watermark(writes_end, Duration::from_secs(120))
-        .await;
+    cluster.wait_for_watermark(writes_end, Duration::from_secs(120)).await;
     let diff = compare(
         &cluster.source.pool,
         &cluster.target.pool,
@@ -62,11 +56,7 @@ async fn snapshot_then_incremental(tag: &str, key: KeyKind) {
         .args(["status", "--coordinator", &cluster.address, "--json"])
         .output()
         .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     let task = &json["tasks"][0];
     assert_eq!(task["name"], "items");
@@ -80,19 +70,8 @@ async fn snapshot_then_incremental(tag: &str, key: KeyKind) {
         "{watermark}"
     );
     let shard = &task["shards"][0];
-    for field in [
-        "id",
-        "range",
-        "owner",
-        "phase",
-        "state",
-        "rows_applied",
-        "cursor",
-    ] {
-        assert!(
-            shard.get(field).is_some(),
-            "shard field {field} missing: {shard}"
-        );
+    for field in ["id", "range", "owner", "phase", "state", "rows_applied", "cursor"] {
+        assert!(shard.get(field).is_some(), "shard field {field} missing: {shard}");
     }
 }
 

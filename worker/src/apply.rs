@@ -17,13 +17,24 @@ pub enum ApplyOutcome {
     AlreadyApplied,
 }
 
+/// The overlap region of an incremental batch: rows below `floor_micros` were re-read by the
+/// overlap, and those the target lacks at their version are late (lateness measured against
+/// the cycle's `high_micros`).
+#[derive(Debug, Clone, Copy)]
+pub struct OverlapRegion {
+    pub floor_micros: i64,
+    pub high_micros: i64,
+}
+
+/// Applies a batch; returns the outcome and the lateness of each late row it brought in.
 pub async fn apply_batch(
     target: &PgPool,
     sql: &TableSql,
     manifest: &Manifest,
     data: &Bytes,
-) -> Result<ApplyOutcome, WorkerError> {
-    match apply_once(target, sql, manifest, data).await {
+    overlap: Option<OverlapRegion>,
+) -> Result<(ApplyOutcome, Vec<i64>), WorkerError> {
+    match apply_once(target, sql, manifest, data, overlap).await {
         Ok(outcome) => {
             verify(target, manifest).await?;
             Ok(outcome)
@@ -32,7 +43,7 @@ pub async fn apply_batch(
             // The outcome of a failed COMMIT is unknown: the ledger is the one answer.
             if verify(target, manifest).await.is_ok() {
                 tracing::warn!(batch_id = %manifest.batch_id, %error, "apply reported an error but the ledger holds the batch");
-                return Ok(ApplyOutcome::AlreadyApplied);
+                return Ok((ApplyOutcome::AlreadyApplied, Vec::new()));
             }
             Err(error)
         }
@@ -44,7 +55,8 @@ async fn apply_once(
     sql: &TableSql,
     manifest: &Manifest,
     data: &Bytes,
-) -> Result<ApplyOutcome, WorkerError> {
+    overlap: Option<OverlapRegion>,
+) -> Result<(ApplyOutcome, Vec<i64>), WorkerError> {
     let mut tx = target.begin().await?;
     let applied = sqlx::query("SELECT 1 FROM tidemark_ledger WHERE batch_id = $1")
         .bind(&manifest.batch_id)
@@ -52,7 +64,7 @@ async fn apply_once(
         .await?;
     if applied.is_some() {
         tx.rollback().await?;
-        return Ok(ApplyOutcome::AlreadyApplied);
+        return Ok((ApplyOutcome::AlreadyApplied, Vec::new()));
     }
     sqlx::query(sqlx::AssertSqlSafe(sql.create_stage_table()))
         .execute(&mut *tx)
@@ -66,6 +78,16 @@ async fn apply_once(
             manifest.batch_id, manifest.row_count
         )));
     }
+    let late = match overlap {
+        Some(region) => {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(
+                sql.late_rows(region.floor_micros, region.high_micros),
+            ))
+            .fetch_all(&mut *tx)
+            .await?
+        }
+        None => Vec::new(),
+    };
     sqlx::query(sqlx::AssertSqlSafe(sql.upsert_from_stage()))
         .execute(&mut *tx)
         .await?;
@@ -86,22 +108,19 @@ async fn apply_once(
     if inserted == 0 {
         // Another owner applied it concurrently; its transaction won.
         tx.rollback().await?;
-        return Ok(ApplyOutcome::AlreadyApplied);
+        return Ok((ApplyOutcome::AlreadyApplied, Vec::new()));
     }
     tx.commit().await?;
-    Ok(ApplyOutcome::Applied)
+    Ok((ApplyOutcome::Applied, late))
 }
 
 /// The ledger holds the batch with the manifest's row count and content.
 async fn verify(target: &PgPool, manifest: &Manifest) -> Result<(), WorkerError> {
-    let row =
-        sqlx::query("SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = $1")
-            .bind(&manifest.batch_id)
-            .fetch_optional(target)
-            .await?
-            .ok_or_else(|| {
-                WorkerError::Verify(format!("batch {} is not in the ledger", manifest.batch_id))
-            })?;
+    let row = sqlx::query("SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = $1")
+        .bind(&manifest.batch_id)
+        .fetch_optional(target)
+        .await?
+        .ok_or_else(|| WorkerError::Verify(format!("batch {} is not in the ledger", manifest.batch_id)))?;
     let row_count: i64 = row.get(0);
     let content_hash: String = row.get(1);
     if row_count as u64 != manifest.row_count || content_hash != manifest.content_hash {

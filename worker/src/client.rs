@@ -20,10 +20,7 @@ pub struct CoordinatorClient {
 fn is_unreachable(status: &tonic::Status) -> bool {
     matches!(
         status.code(),
-        tonic::Code::Unavailable
-            | tonic::Code::DeadlineExceeded
-            | tonic::Code::Unknown
-            | tonic::Code::Cancelled
+        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown | tonic::Code::Cancelled
     )
 }
 
@@ -61,10 +58,7 @@ impl CoordinatorClient {
             .map(tonic::Response::into_inner)
     }
 
-    pub async fn register_worker(
-        &self,
-        worker_id: &str,
-    ) -> Result<pb::RegisterWorkerResponse, tonic::Status> {
+    pub async fn register_worker(&self, worker_id: &str) -> Result<pb::RegisterWorkerResponse, tonic::Status> {
         let request = pb::RegisterWorkerRequest {
             worker_id: worker_id.to_string(),
         };
@@ -97,10 +91,7 @@ impl CoordinatorClient {
         Ok(client.acquire_shard(request).await?.into_inner().assignment)
     }
 
-    pub async fn register_batch(
-        &self,
-        request: pb::RegisterBatchRequest,
-    ) -> Result<(), WorkerError> {
+    pub async fn register_batch(&self, request: pb::RegisterBatchRequest) -> Result<(), WorkerError> {
         self.call("register_batch", Duration::from_secs(60), |mut c| {
             let request = request.clone();
             async move { c.register_batch(request).await }
@@ -109,10 +100,7 @@ impl CoordinatorClient {
         Ok(())
     }
 
-    pub async fn commit_batch(
-        &self,
-        request: pb::CommitBatchRequest,
-    ) -> Result<pb::CommitBatchResponse, WorkerError> {
+    pub async fn commit_batch(&self, request: pb::CommitBatchRequest) -> Result<pb::CommitBatchResponse, WorkerError> {
         Ok(self
             .call("commit_batch", Duration::from_secs(60), |mut c| {
                 let request = request.clone();

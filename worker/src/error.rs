@@ -25,9 +25,9 @@ pub enum WorkerError {
 impl From<tonic::Status> for WorkerError {
     fn from(status: tonic::Status) -> WorkerError {
         match status.code() {
-            tonic::Code::FailedPrecondition
-            | tonic::Code::Aborted
-            | tonic::Code::Unauthenticated => WorkerError::Fenced(status.message().to_string()),
+            tonic::Code::FailedPrecondition | tonic::Code::Aborted | tonic::Code::Unauthenticated => {
+                WorkerError::Fenced(status.message().to_string())
+            }
             _ => WorkerError::Coordinator(format!("{:?}: {}", status.code(), status.message())),
         }
     }

@@ -64,8 +64,7 @@ async fn run(cli: Cli, worker_id: String) -> Result<(), WorkerError> {
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         let mut terminate =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .expect("signal handler");
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = terminate.recv() => {}
@@ -128,10 +127,7 @@ async fn keep_lease(
             Err(status) => {
                 tracing::warn!(lease_id, code = ?status.code(), message = status.message(), "heartbeat failed");
                 if last_renewed.elapsed() > ttl {
-                    tracing::warn!(
-                        lease_id,
-                        "lease not renewed within its TTL; dropping all shards"
-                    );
+                    tracing::warn!(lease_id, "lease not renewed within its TTL; dropping all shards");
                     let _ = lost.send(true);
                     return;
                 }
@@ -212,11 +208,7 @@ async fn spawn_shard(
 ) {
     let release = pb::ReleaseShardRequest {
         worker_id: worker_id.to_string(),
-        task: assignment
-            .task
-            .as_ref()
-            .map(|t| t.name.clone())
-            .unwrap_or_default(),
+        task: assignment.task.as_ref().map(|t| t.name.clone()).unwrap_or_default(),
         epoch: assignment.epoch,
         shard_id: assignment.shard_id,
         fence_token: assignment.fence_token,

@@ -1,6 +1,11 @@
 //! One shard's loop: replay the pending batch if there is one, then read → stage → register →
 //! apply → verify → commit, page after page. Every step's result is durable before the next
 //! begins, so the loop can die anywhere and a new owner resumes from the checkpoint.
+//!
+//! Incremental reading runs in cycles (see `Position::Incremental`): a cycle fixes its read
+//! window `[watermark − overlap, high)` with `high = min(source now − safety_delay, start of
+//! the oldest open source transaction)`, pages through it by `(cursor, key)`, and on its last
+//! (short) page moves the watermark up to `high`.
 
 use std::time::Duration;
 
@@ -10,12 +15,12 @@ use tidemark_common::pg::{Column, TableName, TableSql};
 use tidemark_proto::v1 as pb;
 use tokio::sync::watch;
 
-use crate::apply::{ApplyOutcome, apply_batch};
+use crate::apply::{ApplyOutcome, OverlapRegion, apply_batch};
 use crate::client::CoordinatorClient;
 use crate::crash;
 use crate::error::WorkerError;
 use crate::resources::TaskResources;
-use crate::source::{read_page, source_now_micros};
+use crate::source::{can_see_all_transactions, oldest_open_transaction_micros, read_page, source_now_micros};
 
 /// Everything a shard loop knows; `cursor` and `version` follow its own commits.
 pub struct ShardRun {
@@ -31,14 +36,62 @@ pub struct ShardRun {
     pub incremental_start: Cursor,
     pub sql: TableSql,
     pub resources: TaskResources,
+    /// Whether the source lets us see every open transaction (checked once per run).
+    sees_all_transactions: Option<bool>,
 }
 
-/// A batch about to be committed: its bounds and how many rows it carried.
+/// A batch about to be committed: its bounds, how many rows it carried, and the lateness of
+/// the late rows it brought in.
 struct Bounds {
     batch_id: String,
     lower: Cursor,
     upper: Cursor,
     row_count: u64,
+    late_row_lateness_micros: Vec<i64>,
+}
+
+/// Where a page's cursor goes: after its last row when the page is full, or to `on_short`
+/// when the page is short (the range or the cycle is exhausted).
+struct ReadPlan {
+    statement: String,
+    on_short: Cursor,
+    cycle: Option<(i64, i64)>,
+}
+
+/// The overlap region of an incremental batch: its cycle's watermark and high.
+fn overlap_region(lower: &Cursor, upper: &Cursor) -> Option<OverlapRegion> {
+    let Position::Incremental { floor_micros, .. } = lower.position else {
+        return None;
+    };
+    let high_micros = match (&lower.position, &upper.position) {
+        (
+            Position::Incremental {
+                cycle_high_micros: Some(high),
+                ..
+            },
+            _,
+        ) => *high,
+        (
+            _,
+            Position::Incremental {
+                cycle_high_micros: Some(high),
+                ..
+            },
+        ) => *high,
+        (
+            _,
+            Position::Incremental {
+                floor_micros: high,
+                cycle_high_micros: None,
+                ..
+            },
+        ) => *high,
+        _ => return None,
+    };
+    Some(OverlapRegion {
+        floor_micros,
+        high_micros,
+    })
 }
 
 impl ShardRun {
@@ -52,12 +105,10 @@ impl ShardRun {
             .task
             .clone()
             .ok_or_else(|| WorkerError::Assignment("no task spec".into()))?;
-        let range =
-            ShardRange::decode(&assignment.range).map_err(|e| bad("range", e.to_string()))?;
-        let cursor =
-            Cursor::decode(&assignment.cursor).map_err(|e| bad("cursor", e.to_string()))?;
-        let incremental_start = Cursor::decode(&assignment.incremental_start)
-            .map_err(|e| bad("incremental start", e.to_string()))?;
+        let range = ShardRange::decode(&assignment.range).map_err(|e| bad("range", e.to_string()))?;
+        let cursor = Cursor::decode(&assignment.cursor).map_err(|e| bad("cursor", e.to_string()))?;
+        let incremental_start =
+            Cursor::decode(&assignment.incremental_start).map_err(|e| bad("incremental start", e.to_string()))?;
         let snapshot_max_key = if assignment.snapshot_max_key.is_empty() {
             None
         } else {
@@ -78,7 +129,8 @@ impl ShardRun {
                 })
                 .collect(),
             key_columns: task.key_columns.clone(),
-            cursor_column: task.cursor_column.clone(),
+            cursor_column: Some(task.cursor_column.clone()).filter(|c| !c.is_empty()),
+            version_column: Some(task.version_column.clone()).filter(|c| !c.is_empty()),
         };
         Ok(ShardRun {
             worker_id: worker_id.to_string(),
@@ -93,6 +145,7 @@ impl ShardRun {
             sql,
             resources,
             task,
+            sees_all_transactions: None,
         })
     }
 
@@ -124,27 +177,24 @@ impl ShardRun {
 
     /// Re-applies exactly the staged batch that a previous owner left uncommitted
     /// (invariant 2: never re-extract it with fresher bounds).
-    async fn replay(
-        &mut self,
-        client: &CoordinatorClient,
-        pending: &pb::PendingBatch,
-    ) -> Result<(), WorkerError> {
-        let (manifest, data) = self
-            .resources
-            .staging
-            .read_batch(&pending.manifest_path)
-            .await?;
-        let lower =
-            Cursor::decode(&manifest.lower).map_err(|e| WorkerError::Data(e.to_string()))?;
-        let upper =
-            Cursor::decode(&manifest.upper).map_err(|e| WorkerError::Data(e.to_string()))?;
+    async fn replay(&mut self, client: &CoordinatorClient, pending: &pb::PendingBatch) -> Result<(), WorkerError> {
+        let (manifest, data) = self.resources.staging.read_batch(&pending.manifest_path).await?;
+        let lower = Cursor::decode(&manifest.lower).map_err(|e| WorkerError::Data(e.to_string()))?;
+        let upper = Cursor::decode(&manifest.upper).map_err(|e| WorkerError::Data(e.to_string()))?;
         if lower != self.cursor || manifest.batch_id != pending.batch_id {
             return Err(WorkerError::Assignment(format!(
                 "pending batch {} does not start at the committed cursor",
                 pending.batch_id
             )));
         }
-        let outcome = apply_batch(&self.resources.target, &self.sql, &manifest, &data).await?;
+        let (outcome, late) = apply_batch(
+            &self.resources.target,
+            &self.sql,
+            &manifest,
+            &data,
+            overlap_region(&lower, &upper),
+        )
+        .await?;
         tracing::info!(
             task = %self.task.name, shard = self.shard_id, batch_id = %manifest.batch_id,
             rows = manifest.row_count, ?outcome, "replayed pending batch from staging"
@@ -154,73 +204,113 @@ impl ShardRun {
             lower,
             upper,
             row_count: manifest.row_count,
+            late_row_lateness_micros: late,
         };
         self.commit(client, bounds, false, true).await
     }
 
-    /// One page. Returns true when the shard has caught up with the source (wait a poll).
-    async fn step(&mut self, client: &CoordinatorClient) -> Result<bool, WorkerError> {
+    /// Decides what the next page reads. `None`: nothing can be read yet.
+    async fn plan_read(&mut self) -> Result<Option<ReadPlan>, WorkerError> {
         let page_size = self.task.page_size;
-        let (statement, high) = match &self.cursor.position {
-            Position::Snapshot { after_key } => (
-                self.sql.snapshot_page(
+        let epoch = self.epoch;
+        let plan = match &self.cursor.position {
+            Position::Snapshot { after_key } => ReadPlan {
+                statement: self.sql.snapshot_page(
                     &self.range,
                     after_key.as_deref(),
                     self.snapshot_max_key.as_ref(),
                     page_size,
                 ),
-                None,
-            ),
+                // A short snapshot page is the range's last: the shard moves on.
+                on_short: if self.task.mode == "append" {
+                    Cursor::new(
+                        epoch,
+                        Position::Append {
+                            after_key: after_key.clone(),
+                        },
+                    )
+                } else {
+                    self.incremental_start.clone()
+                },
+                cycle: None,
+            },
+            Position::Append { after_key } => ReadPlan {
+                statement: self
+                    .sql
+                    .snapshot_page(&self.range, after_key.as_deref(), None, page_size),
+                on_short: self.cursor.clone(),
+                cycle: None,
+            },
             Position::Incremental {
+                floor_micros,
                 t_micros,
                 after_key,
+                cycle_high_micros,
             } => {
-                let now = source_now_micros(&self.resources.source).await?;
-                let high = now - (self.task.safety_delay_ms as i64) * 1000;
-                if high <= *t_micros {
-                    // Nothing can be read yet; the cursor never moves backwards.
-                    return Ok(true);
+                let floor = *floor_micros;
+                let (scan_t, scan_key, high) = match cycle_high_micros {
+                    Some(high) => (*t_micros, after_key.clone(), *high),
+                    None => {
+                        let high = self.read_window_high().await?;
+                        if high <= floor {
+                            // Nothing new can be read yet; the watermark never moves back.
+                            return Ok(None);
+                        }
+                        // A new cycle re-reads the overlap below the watermark once.
+                        (floor - (self.task.overlap_ms as i64) * 1000, None, high)
+                    }
+                };
+                ReadPlan {
+                    statement: self
+                        .sql
+                        .incremental_page(&self.range, scan_t, scan_key.as_deref(), high, page_size),
+                    // A short page ends the cycle: everything below `high` has been read.
+                    on_short: Cursor::incremental_at(epoch, high),
+                    cycle: Some((floor, high)),
                 }
-                (
-                    self.sql.incremental_page(
-                        &self.range,
-                        *t_micros,
-                        after_key.as_deref(),
-                        high,
-                        page_size,
-                    ),
-                    Some(high),
-                )
             }
         };
-        let page = read_page(&self.resources.source, &self.sql, &statement).await?;
-        crash::point("after_read");
-        let full = page.row_count == u64::from(page_size);
-        let upper = match (&self.cursor.position, &page.last, full) {
-            (Position::Snapshot { .. }, Some((key, _)), true) => Cursor::new(
-                self.epoch,
-                Position::Snapshot {
-                    after_key: Some(key.clone()),
-                },
-            ),
-            // A short snapshot page is the range's last: the shard moves to incremental.
-            (Position::Snapshot { .. }, _, _) => self.incremental_start.clone(),
-            (Position::Incremental { .. }, Some((key, t_micros)), true) => Cursor::new(
-                self.epoch,
-                Position::Incremental {
-                    t_micros: *t_micros,
-                    after_key: Some(key.clone()),
-                },
-            ),
-            // A short incremental page read everything below `high`.
-            (Position::Incremental { .. }, _, _) => Cursor::new(
+        Ok(Some(plan))
+    }
+
+    /// The cursor after a page whose last row is `(key, t)`.
+    fn after_row(&self, plan: &ReadPlan, key: &[KeyValue], t_micros: Option<i64>, full: bool) -> Cursor {
+        let key = Some(key.to_vec());
+        match (&self.cursor.position, plan.cycle, full) {
+            (Position::Snapshot { .. }, _, true) => Cursor::new(self.epoch, Position::Snapshot { after_key: key }),
+            (Position::Append { .. }, _, _) => Cursor::new(self.epoch, Position::Append { after_key: key }),
+            (Position::Snapshot { .. }, _, false) if self.task.mode == "append" => {
+                Cursor::new(self.epoch, Position::Append { after_key: key })
+            }
+            (Position::Incremental { .. }, Some((floor, high)), true) => Cursor::new(
                 self.epoch,
                 Position::Incremental {
-                    t_micros: high.expect("incremental reads have a high bound"),
-                    after_key: None,
+                    floor_micros: floor,
+                    t_micros: t_micros.expect("incremental rows carry their cursor time"),
+                    after_key: key,
+                    cycle_high_micros: Some(high),
                 },
             ),
+            _ => plan.on_short.clone(),
+        }
+    }
+
+    /// One page. Returns true when the shard has caught up with the source (wait a poll).
+    async fn step(&mut self, client: &CoordinatorClient) -> Result<bool, WorkerError> {
+        let Some(plan) = self.plan_read().await? else {
+            return Ok(true);
         };
+        let page = read_page(&self.resources.source, &self.sql, &plan.statement).await?;
+        crash::point("after_read");
+        let full = page.row_count == u64::from(self.task.page_size);
+        let upper = match &page.last {
+            Some((key, t_micros)) => self.after_row(&plan, key, *t_micros, full),
+            None => plan.on_short.clone(),
+        };
+        if upper == self.cursor {
+            // Append-only and caught up: nothing to commit.
+            return Ok(true);
+        }
         let lower = self.cursor.clone();
         let batch_id = batch::batch_id(&self.task.name, self.epoch, self.shard_id, &lower, &upper);
         let bounds = Bounds {
@@ -228,6 +318,7 @@ impl ShardRun {
             lower,
             upper,
             row_count: page.row_count,
+            late_row_lateness_micros: Vec::new(),
         };
         if page.row_count == 0 {
             self.commit(client, bounds, true, false).await?;
@@ -273,12 +364,50 @@ impl ShardRun {
             })
             .await?;
         crash::point("after_register");
-        let outcome = apply_batch(&self.resources.target, &self.sql, &manifest, &page.data).await?;
+        let overlap = overlap_region(&bounds.lower, &bounds.upper);
+        let (outcome, late) = apply_batch(&self.resources.target, &self.sql, &manifest, &page.data, overlap).await?;
         debug_assert_eq!(outcome, ApplyOutcome::Applied);
         crash::point("after_apply");
+        if !late.is_empty() {
+            tracing::info!(
+                task = %self.task.name, shard = self.shard_id, late_rows = late.len(),
+                max_lateness_ms = late.iter().max().copied().unwrap_or(0) / 1000,
+                "overlap re-read found late rows"
+            );
+        }
+        let bounds = Bounds {
+            late_row_lateness_micros: late,
+            ..bounds
+        };
         self.commit(client, bounds, false, false).await?;
         crash::point("after_commit");
         Ok(!full)
+    }
+
+    /// `high = min(source now − safety_delay, start of the oldest open source transaction)`.
+    /// Without the privilege to see other roles' transactions, only the overlap protects
+    /// against late commits (warned once per shard run).
+    async fn read_window_high(&mut self) -> Result<i64, WorkerError> {
+        let source = &self.resources.source;
+        let now = source_now_micros(source).await?;
+        let mut high = now - (self.task.safety_delay_ms as i64) * 1000;
+        if self.task.open_transaction_bound {
+            if self.sees_all_transactions.is_none() {
+                let sees_all = can_see_all_transactions(source).await?;
+                if !sees_all {
+                    tracing::warn!(
+                        task = %self.task.name,
+                        "the source role cannot see other roles' transactions (grant pg_monitor); \
+                         late commits are only caught by the overlap"
+                    );
+                }
+                self.sees_all_transactions = Some(sees_all);
+            }
+            if let Some(oldest) = oldest_open_transaction_micros(source).await? {
+                high = high.min(oldest);
+            }
+        }
+        Ok(high)
     }
 
     async fn commit(
@@ -302,6 +431,7 @@ impl ShardRun {
                 row_count: bounds.row_count,
                 empty,
                 replayed,
+                late_row_lateness_micros: bounds.late_row_lateness_micros,
             })
             .await?;
         tracing::debug!(

@@ -27,11 +27,7 @@ pub struct ResourceCache {
 impl ResourceCache {
     /// Pools connect lazily, so an unreachable database shows as an error on first use and
     /// the shard is retried, rather than failing here.
-    pub async fn for_task(
-        &self,
-        spec: &pb::TaskSpec,
-        max_shards: u32,
-    ) -> Result<TaskResources, WorkerError> {
+    pub async fn for_task(&self, spec: &pb::TaskSpec, max_shards: u32) -> Result<TaskResources, WorkerError> {
         let mut tasks = self.tasks.lock().await;
         if let Some(resources) = tasks.get(&spec.name) {
             return Ok(resources.clone());

@@ -6,7 +6,7 @@ use futures::TryStreamExt;
 use sqlx::postgres::PgPool;
 use tidemark_common::copy_text;
 use tidemark_common::cursor::KeyValue;
-use tidemark_common::pg::TableSql;
+use tidemark_common::pg::{self, TableSql};
 
 use crate::error::WorkerError;
 
@@ -14,15 +14,11 @@ use crate::error::WorkerError;
 pub struct Page {
     pub data: Bytes,
     pub row_count: u64,
-    /// Key and cursor time (microseconds) of the last row, when the page has rows.
-    pub last: Option<(Vec<KeyValue>, i64)>,
+    /// Key and cursor time (microseconds; absent without a cursor column) of the last row.
+    pub last: Option<(Vec<KeyValue>, Option<i64>)>,
 }
 
-pub async fn read_page(
-    source: &PgPool,
-    sql: &TableSql,
-    statement: &str,
-) -> Result<Page, WorkerError> {
+pub async fn read_page(source: &PgPool, sql: &TableSql, statement: &str) -> Result<Page, WorkerError> {
     let mut conn = source.acquire().await?;
     let mut stream = conn.copy_out_raw(statement).await?;
     let mut buffer = BytesMut::new();
@@ -41,15 +37,11 @@ pub async fn read_page(
         None => None,
         Some(row) => Some(decode_position(sql, row)?),
     };
-    Ok(Page {
-        data,
-        row_count,
-        last,
-    })
+    Ok(Page { data, row_count, last })
 }
 
 /// The key values and the version (cursor time) of a staged row.
-fn decode_position(sql: &TableSql, row: &[u8]) -> Result<(Vec<KeyValue>, i64), WorkerError> {
+fn decode_position(sql: &TableSql, row: &[u8]) -> Result<(Vec<KeyValue>, Option<i64>), WorkerError> {
     let field = |index: usize| -> Result<String, WorkerError> {
         let raw = copy_text::raw_field(row, index)
             .ok_or_else(|| WorkerError::Data(format!("staged row has no field {index}")))?;
@@ -68,18 +60,37 @@ fn decode_position(sql: &TableSql, row: &[u8]) -> Result<(Vec<KeyValue>, i64), W
             })
         })
         .collect::<Result<Vec<_>, WorkerError>>()?;
-    let version_text = field(sql.columns.len())?;
-    let version = version_text
-        .parse::<i64>()
-        .map_err(|_| WorkerError::Data(format!("version {version_text:?} is not an integer")))?;
-    Ok((keys, version))
+    let cursor_micros = match sql.cursor_micros_position() {
+        None => None,
+        Some(index) => {
+            let text = field(index)?;
+            Some(
+                text.parse::<i64>()
+                    .map_err(|_| WorkerError::Data(format!("cursor time {text:?} is not an integer")))?,
+            )
+        }
+    };
+    Ok((keys, cursor_micros))
 }
 
 /// The source's clock, in microseconds since the Unix epoch.
 pub async fn source_now_micros(source: &PgPool) -> Result<i64, WorkerError> {
-    Ok(
-        sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
-            .fetch_one(source)
-            .await?,
-    )
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
+        .fetch_one(source)
+        .await?)
+}
+
+/// The start of the oldest transaction still open on the source, if any.
+pub async fn oldest_open_transaction_micros(source: &PgPool) -> Result<Option<i64>, WorkerError> {
+    Ok(sqlx::query_scalar(pg::OLDEST_OPEN_TRANSACTION)
+        .fetch_one(source)
+        .await?)
+}
+
+/// Whether this session can see every session's transaction start.
+pub async fn can_see_all_transactions(source: &PgPool) -> Result<bool, WorkerError> {
+    Ok(sqlx::query_scalar::<_, Option<bool>>(pg::CAN_SEE_ALL_TRANSACTIONS)
+        .fetch_one(source)
+        .await?
+        .unwrap_or(false))
 }

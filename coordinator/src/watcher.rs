@@ -1,0 +1,97 @@
+//! Watches each task's source for broken contract clauses and pauses the task with a named
+//! reason instead of guessing (invariant 10):
+//! - `clock moved backwards`: the source clock reads more than `clock_tolerance` below the
+//!   highest reading seen (rows written meanwhile may carry times below the watermark);
+//! - `id regression` (append mode): the source's largest key is below a committed cursor
+//!   (keys were reused or a sequence was reset; new rows would never be read).
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tidemark_common::config::TaskMode;
+use tidemark_common::cursor::format_micros;
+use tidemark_common::pg::{self, TableName, connect_options, quote_ident};
+
+use crate::checkpoints::ControlDb;
+use crate::error::CoordinatorError;
+use crate::planner::PreparedTask;
+
+pub async fn watch_source(control: ControlDb, task: PreparedTask) {
+    let name = task.config.name.clone();
+    let pool = match connect_options(&task.config.source, "tidemark-coordinator") {
+        Ok(options) => PgPoolOptions::new().max_connections(1).connect_lazy_with(options),
+        Err(error) => {
+            tracing::error!(task = %name, %error, "source watcher cannot start");
+            return;
+        }
+    };
+    let interval = task.config.poll_interval.max(Duration::from_millis(500));
+    loop {
+        tokio::time::sleep(interval).await;
+        if let Err(error) = check(&control, &task, &pool).await {
+            tracing::warn!(task = %name, %error, "source check failed; retrying");
+        }
+    }
+}
+
+async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Result<(), CoordinatorError> {
+    let name = task.config.name.as_str();
+    if control.paused_reason(name).await?.is_some() {
+        return Ok(());
+    }
+    let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
+        .fetch_one(source)
+        .await?;
+    let tolerance = task.config.clock_tolerance().as_micros() as i64;
+    if let Some(highest) = control.record_source_clock(name, now).await?
+        && now < highest - tolerance
+    {
+        let reason = format!(
+            "clock moved backwards: the source clock reads {} but has read {} ({:.1}s later; tolerance {:.1}s). \
+             Rows written meanwhile may carry times below the watermark; fix the clock, repair (reconcile or \
+             reinitialize), then `tidemark-coordinator tasks resume {name}`",
+            format_micros(now),
+            format_micros(highest),
+            (highest - now) as f64 / 1e6,
+            tolerance as f64 / 1e6
+        );
+        pause(control, name, &reason).await?;
+        return Ok(());
+    }
+    if task.config.mode == TaskMode::Append {
+        let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
+        let key = &task.config.key[0];
+        let query = format!("SELECT max({})::bigint FROM {}", quote_ident(key), table.quoted());
+        let source_max: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(query)).fetch_one(source).await?;
+        let committed_max = control
+            .committed_key_positions(name)
+            .await?
+            .iter()
+            .filter_map(|cursor| {
+                cursor
+                    .key_position()
+                    .and_then(|k| k.first())
+                    .and_then(|v| v.value.parse::<i64>().ok())
+            })
+            .max();
+        if let Some(committed) = committed_max
+            && source_max.is_none_or(|m| m < committed)
+        {
+            let shown = source_max.map_or_else(|| "none (empty table)".to_string(), |m| m.to_string());
+            let reason = format!(
+                "id regression: the source's largest {key} is {shown}, below the committed cursor {committed}; \
+                 keys were reused or a sequence was reset, and new rows would never be read. \
+                 Reinitialization required"
+            );
+            pause(control, name, &reason).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn pause(control: &ControlDb, task: &str, reason: &str) -> Result<(), CoordinatorError> {
+    if control.pause_task(task, reason).await? {
+        tracing::error!(task, reason, "task paused: the source broke its contract");
+    }
+    Ok(())
+}
