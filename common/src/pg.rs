@@ -111,6 +111,11 @@ impl TableSql {
             .map_or("timestamp with time zone", |c| c.sql_type.as_str())
     }
 
+    /// One unit of the cursor column's precision, in microseconds.
+    pub fn cursor_unit_micros(&self) -> i64 {
+        timestamp_unit_micros(self.cursor_type())
+    }
+
     fn cursor(&self) -> String {
         quote_ident(
             self.cursor_column
@@ -382,6 +387,19 @@ pub fn connect_options(url: &str, application_name: &str) -> Result<sqlx::postgr
         .options([("TimeZone", "UTC"), ("standard_conforming_strings", "on")]))
 }
 
+/// One unit of a timestamp type's precision in microseconds: `timestamp(3)` → 1,000. Stored
+/// values are rounded to it, so a row written at time `x` may carry a cursor time up to half a
+/// unit below `x`; bounds derived from transaction start times step one unit down.
+pub fn timestamp_unit_micros(sql_type: &str) -> i64 {
+    let precision = sql_type
+        .split_once('(')
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .and_then(|(digits, _)| digits.trim().parse::<u32>().ok())
+        .unwrap_or(6)
+        .min(6);
+    10_i64.pow(6 - precision)
+}
+
 /// The SQL expression read as the source's clock. `TIDEMARK_SOURCE_CLOCK_SQL` replaces it in
 /// tests that need a clock that jumps (a test hook; never set it in production).
 pub fn source_clock_sql() -> String {
@@ -445,6 +463,13 @@ mod tests {
             cursor_column: Some("updated_at".into()),
             version_column: None,
         }
+    }
+
+    #[test]
+    fn timestamp_units() {
+        assert_eq!(timestamp_unit_micros("timestamp(3) with time zone"), 1_000);
+        assert_eq!(timestamp_unit_micros("timestamp(0) without time zone"), 1_000_000);
+        assert_eq!(timestamp_unit_micros("timestamp with time zone"), 1);
     }
 
     #[test]

@@ -129,6 +129,16 @@ fn schema_id(columns: &[Column]) -> String {
     format!("schema-{}", hex::encode(&hasher.finalize()[..8]))
 }
 
+/// The smallest value of an integer key type: H0's largest key of an empty table, so that the
+/// snapshot reads nothing and every row arrives incrementally.
+fn integer_minimum(sql_type: &str) -> i64 {
+    match sql_type {
+        "smallint" => i64::from(i16::MIN),
+        "integer" => i64::from(i32::MIN),
+        _ => i64::MIN,
+    }
+}
+
 fn is_integer_type(sql_type: &str) -> bool {
     matches!(sql_type, "bigint" | "integer" | "smallint")
 }
@@ -305,7 +315,7 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
 
 /// H0's time: the source clock, held below the start of the oldest open transaction when the
 /// task uses the open-transaction bound (rows such a transaction writes carry later times).
-async fn start_time_micros(source: &PgPool, config: &TaskConfig) -> Result<i64, sqlx::Error> {
+async fn start_time_micros(source: &PgPool, config: &TaskConfig, cursor_unit_micros: i64) -> Result<i64, sqlx::Error> {
     let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
         .fetch_one(source)
         .await?;
@@ -313,7 +323,7 @@ async fn start_time_micros(source: &PgPool, config: &TaskConfig) -> Result<i64, 
         return Ok(now);
     }
     let oldest: Option<i64> = sqlx::query_scalar(OLDEST_OPEN_TRANSACTION).fetch_one(source).await?;
-    Ok(oldest.map_or(now, |o| o.min(now)))
+    Ok(oldest.map_or(now, |o| (o - cursor_unit_micros).min(now)))
 }
 
 async fn plan_epoch(
@@ -327,7 +337,14 @@ async fn plan_epoch(
     let reading = |e: sqlx::Error| {
         CoordinatorError::task_setup(&config.name, format!("reading the start bound from {table}: {e}"))
     };
-    let h0_time_micros = start_time_micros(source, config).await.map_err(reading)?;
+    let cursor_type = config
+        .cursor_column
+        .as_ref()
+        .and_then(|name| columns.iter().find(|c| &c.name == name))
+        .map_or("timestamp with time zone", |c| c.sql_type.as_str());
+    let h0_time_micros = start_time_micros(source, config, pg::timestamp_unit_micros(cursor_type))
+        .await
+        .map_err(reading)?;
     let (domain, h0_max_key) = if first_key_type == "uuid" {
         // uuid keys split by prefix and need no bounds (and PostgreSQL has no min(uuid)).
         (KeyDomain::Uuid, None)
@@ -352,7 +369,7 @@ async fn plan_epoch(
         // An empty table snapshots nothing: every row it will hold arrives incrementally.
         let h0_max = KeyValue {
             sql_type: first_key_type.to_string(),
-            value: max.map_or_else(|| i64::MIN.to_string(), |m| m.to_string()),
+            value: max.map_or_else(|| integer_minimum(first_key_type).to_string(), |m| m.to_string()),
         };
         (domain, Some(h0_max))
     };

@@ -241,6 +241,8 @@ pub struct TaskSettings {
     pub open_transaction_bound: bool,
     /// Extra `key = value` lines for the task table.
     pub extra: String,
+    /// Environment for the coordinator process.
+    pub coordinator_env: Vec<(&'static str, String)>,
 }
 
 impl Default for TaskSettings {
@@ -257,6 +259,7 @@ impl Default for TaskSettings {
             overlap: "2s",
             open_transaction_bound: true,
             extra: String::new(),
+            coordinator_env: Vec::new(),
         }
     }
 }
@@ -309,7 +312,7 @@ name = "items"
 source = "{source}"
 source_table = "{source_table}"
 target = "{target}"
-target_table = "public.items"
+target_table = "{source_table}"
 key = [{key}]
 {cursor_line}
 shards = {shards}
@@ -351,7 +354,11 @@ open_transaction_bound = {bound}
             "coordinator",
             &binary("tidemark-coordinator"),
             &["serve", "--config", config.to_str().unwrap()],
-            &[],
+            &task
+                .coordinator_env
+                .iter()
+                .map(|(k, v)| (*k, v.as_str()))
+                .collect::<Vec<_>>(),
             &self.dir.0,
         );
         self.coordinator = Some(coordinator);
@@ -483,10 +490,16 @@ impl Diff {
     }
 }
 
-async fn key_states(pool: &PgPool, key: &[&str], columns: &[&str], version_expr: &str) -> BTreeMap<String, KeyState> {
+pub async fn key_states(
+    pool: &PgPool,
+    table: &str,
+    key: &[&str],
+    columns: &[&str],
+    version_expr: &str,
+) -> BTreeMap<String, KeyState> {
     let key_expr = format!("json_build_array({})::text", key.join(", "));
     let row_expr = format!("json_build_array({})::text", columns.join(", "));
-    let sql = format!("SELECT {key_expr}, {row_expr}, {version_expr} FROM items");
+    let sql = format!("SELECT {key_expr}, {row_expr}, {version_expr} FROM {table}");
     sqlx::query(sqlx::AssertSqlSafe(sql))
         .fetch_all(pool)
         .await
@@ -508,14 +521,21 @@ async fn key_states(pool: &PgPool, key: &[&str], columns: &[&str], version_expr:
 /// every source key present in the target with every column equal and version = the cursor
 /// time in microseconds; no other keys in the target.
 pub async fn compare(source: &PgPool, target: &PgPool, key: &[&str], columns: &[&str], cursor: &str) -> Diff {
-    let expected = key_states(
-        source,
-        key,
-        columns,
-        &format!("(extract(epoch from {cursor}) * 1000000)::bigint"),
-    )
-    .await;
-    let actual = key_states(target, key, columns, "_tidemark_version").await;
+    let version = format!("(extract(epoch from {cursor}) * 1000000)::bigint");
+    compare_table(source, target, "items", key, columns, &version).await
+}
+
+/// `compare` for any table, with the source version given as a SQL expression.
+pub async fn compare_table(
+    source: &PgPool,
+    target: &PgPool,
+    table: &str,
+    key: &[&str],
+    columns: &[&str],
+    source_version: &str,
+) -> Diff {
+    let expected = key_states(source, table, key, columns, source_version).await;
+    let actual = key_states(target, table, key, columns, "_tidemark_version").await;
     let mut diff = Diff {
         keys: expected.len(),
         ..Diff::default()
@@ -593,8 +613,9 @@ pub async fn insert_items(db: &TestDb, key: KeyKind, first: i64, count: i64, upd
     .await;
 }
 
-/// A live writer: `rounds` rounds of 250 updates (spread over every shard) and 250 inserts,
-/// each statement its own transaction. Returns the source time after the last commit.
+/// A live writer: `rounds` rounds of 250 updates (spread over every shard), 250 inserts and
+/// 50 soft deletes (a flag in a data column), each statement its own transaction. Returns the
+/// source time after the last commit.
 pub async fn write_changes(db: &TestDb, key: KeyKind, existing_rows: i64, rounds: i64) -> i64 {
     let stride = (existing_rows / (rounds * 250)).max(1);
     for round in 0..rounds {
@@ -605,6 +626,11 @@ pub async fn write_changes(db: &TestDb, key: KeyKind, existing_rows: i64, rounds
         ))
         .await;
         insert_items(db, key, existing_rows + from + 1, 250, "clock_timestamp()").await;
+        db.exec(&format!(
+            "UPDATE items SET note = 'deleted', updated_at = clock_timestamp()
+             WHERE seq IN (SELECT 2 + {stride} * j FROM generate_series({from}, {from} + 49) j)"
+        ))
+        .await;
     }
     sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
         .fetch_one(&db.pool)

@@ -404,7 +404,8 @@ impl ShardRun {
                 self.sees_all_transactions = Some(sees_all);
             }
             if let Some(oldest) = oldest_open_transaction_micros(source).await? {
-                high = high.min(oldest);
+                // Its rows may carry times rounded down to the cursor's precision.
+                high = high.min(oldest - self.sql.cursor_unit_micros());
             }
         }
         Ok(high)
