@@ -231,6 +231,17 @@ pub fn plan_ranges(key_type: &KeyDomain, shards: u32) -> Vec<ShardRange> {
                 })
                 .collect()
         }
+        KeyDomain::Sampled { sql_type, boundaries } => {
+            let mut distinct: Vec<&String> = boundaries.iter().collect();
+            distinct.dedup();
+            distinct
+                .into_iter()
+                .map(|value| KeyValue {
+                    sql_type: sql_type.clone(),
+                    value: value.clone(),
+                })
+                .collect()
+        }
         KeyDomain::Uuid => (1..shards)
             .map(|i| {
                 let bound = ((u128::MAX / shards as u128) * i as u128).to_be_bytes();
@@ -257,8 +268,18 @@ pub fn plan_ranges(key_type: &KeyDomain, shards: u32) -> Vec<ShardRange> {
 /// What the planner knows of the first key column.
 #[derive(Debug, Clone)]
 pub enum KeyDomain {
-    Integer { sql_type: String, min: i64, max: i64 },
+    Integer {
+        sql_type: String,
+        min: i64,
+        max: i64,
+    },
     Uuid,
+    /// Any other ordered type (text, varchar, numeric, dates…): ranges split at quantiles
+    /// sampled from the table, in the column's own ordering (collation included).
+    Sampled {
+        sql_type: String,
+        boundaries: Vec<String>,
+    },
 }
 
 #[cfg(test)]
@@ -305,6 +326,20 @@ mod tests {
         for pair in ranges.windows(2) {
             assert_eq!(pair[0].hi, pair[1].lo);
         }
+    }
+
+    #[test]
+    fn sampled_ranges_drop_repeated_boundaries() {
+        let boundaries = ["b", "b", "m", "t"].map(String::from).to_vec();
+        let ranges = plan_ranges(
+            &KeyDomain::Sampled {
+                sql_type: "text".into(),
+                boundaries,
+            },
+            5,
+        );
+        let his: Vec<_> = ranges.iter().map(|r| r.hi.as_ref().map(|v| v.value.clone())).collect();
+        assert_eq!(his, vec![Some("b".into()), Some("m".into()), Some("t".into()), None]);
     }
 
     #[test]

@@ -161,12 +161,6 @@ fn validate_columns(
         }
     }
     let first_key_type = &find(&config.key[0]).expect("checked above").column.sql_type;
-    if !is_integer_type(first_key_type) && first_key_type != "uuid" {
-        return Err(setup(format!(
-            "key column {:?} has type {first_key_type}; shards need an integer or uuid first key column",
-            config.key[0]
-        )));
-    }
     if columns.iter().any(|c| c.column.name == VERSION_COLUMN) {
         return Err(setup(format!(
             "source table {source_table} has a column named {VERSION_COLUMN}, which Tidemark reserves"
@@ -345,11 +339,11 @@ async fn plan_epoch(
     let h0_time_micros = start_time_micros(source, config, pg::timestamp_unit_micros(cursor_type))
         .await
         .map_err(reading)?;
+    let first_key = quote_ident(&config.key[0]);
     let (domain, h0_max_key) = if first_key_type == "uuid" {
         // uuid keys split by prefix and need no bounds (and PostgreSQL has no min(uuid)).
         (KeyDomain::Uuid, None)
-    } else {
-        let first_key = quote_ident(&config.key[0]);
+    } else if is_integer_type(first_key_type) {
         let query = format!(
             "SELECT min({first_key})::text, max({first_key})::text FROM {}",
             table.quoted()
@@ -372,6 +366,42 @@ async fn plan_epoch(
             value: max.map_or_else(|| integer_minimum(first_key_type).to_string(), |m| m.to_string()),
         };
         (domain, Some(h0_max))
+    } else {
+        // Other ordered types: boundaries at sampled quantiles (one sorted pass at planning).
+        let fractions: Vec<String> = (1..config.shards)
+            .map(|i| format!("{}", f64::from(i) / f64::from(config.shards)))
+            .collect();
+        let query = format!(
+            "SELECT (percentile_disc(ARRAY[{}]::float8[]) WITHIN GROUP (ORDER BY {first_key}))::text[], max({first_key})::text FROM {}",
+            if fractions.is_empty() {
+                "0.5".to_string()
+            } else {
+                fractions.join(", ")
+            },
+            table.quoted()
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(query))
+            .fetch_one(source)
+            .await
+            .map_err(reading)?;
+        let boundaries: Option<Vec<String>> = row.get(0);
+        let boundaries = if config.shards > 1 {
+            boundaries.unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let max: Option<String> = row.get(1);
+        let h0_max = max.map(|value| KeyValue {
+            sql_type: first_key_type.to_string(),
+            value,
+        });
+        (
+            KeyDomain::Sampled {
+                sql_type: first_key_type.to_string(),
+                boundaries,
+            },
+            h0_max,
+        )
     };
     let epoch = 1;
     let columns_json = serde_json::to_value(

@@ -556,6 +556,8 @@ pub async fn compare_table(
 pub enum KeyKind {
     Bigint,
     Uuid,
+    /// `'user-' || n`: text ordered by the column's collation, split at sampled quantiles.
+    Text,
 }
 
 /// Columns compared per key (every column of the fixture).
@@ -567,6 +569,7 @@ pub async fn create_items(db: &TestDb, key: KeyKind, rows: i64) {
     let id_type = match key {
         KeyKind::Bigint => "bigint PRIMARY KEY",
         KeyKind::Uuid => "uuid PRIMARY KEY DEFAULT gen_random_uuid()",
+        KeyKind::Text => "text PRIMARY KEY",
     };
     db.exec(&format!(
         "CREATE TABLE items (
@@ -597,6 +600,7 @@ pub async fn insert_items(db: &TestDb, key: KeyKind, first: i64, count: i64, upd
     let id = match key {
         KeyKind::Bigint => "g",
         KeyKind::Uuid => "gen_random_uuid()",
+        KeyKind::Text => "'user-' || g",
     };
     let last = first + count - 1;
     db.exec(&format!(
