@@ -40,6 +40,13 @@ pub fn to_json(status: &pb::StatusResponse) -> serde_json::Value {
                 "watermark": task.watermark_micros.map(format_micros),
                 "shards": shards,
             });
+            value["late_rows"] = json!({
+                "count": task.late_rows,
+                "p99_ms": task.late_p99_micros / 1000,
+                "max_ms": task.late_max_micros / 1000,
+                "overlap_ms": task.overlap_ms,
+            });
+            value["warnings"] = json!(task.warnings);
             if !task.paused_reason.is_empty() {
                 value["paused_reason"] = json!(task.paused_reason);
             }
@@ -65,6 +72,16 @@ pub fn to_table(status: &pb::StatusResponse) -> String {
         ));
         if !task.paused_reason.is_empty() {
             out.push_str(&format!("  paused: {}\n", task.paused_reason));
+        }
+        out.push_str(&format!(
+            "  late rows {}  p99 {:.1}s  max {:.1}s  (overlap {:.1}s)\n",
+            task.late_rows,
+            task.late_p99_micros as f64 / 1e6,
+            task.late_max_micros as f64 / 1e6,
+            task.overlap_ms as f64 / 1e3
+        ));
+        for warning in &task.warnings {
+            out.push_str(&format!("  warning: {warning}\n"));
         }
         out.push_str(&format!(
             "  {:>5}  {:<44}  {:<12}  {:<8}  {:>12}  {}\n",

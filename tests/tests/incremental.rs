@@ -41,6 +41,7 @@ struct LateCommitRun {
     late_rows: u64,
     late_max_micros: i64,
     warnings: Vec<String>,
+    status_json: serde_json::Value,
 }
 
 /// Transaction A begins, inserts a row whose cursor time is its start, stays open 20 s while
@@ -100,6 +101,8 @@ async fn late_commit(tag: &str, open_transaction_bound: bool, overlap: &'static 
         .await
         .unwrap();
     assert_eq!(others_present, other, "{tag}: every other row arrived");
+    let (ok, stdout, stderr) = cluster.cli(&["status", "--coordinator", &cluster.address, "--json"]);
+    assert!(ok, "{stderr}");
     LateCommitRun {
         arrived: row_name(&cluster.target, 1_000_001).await.is_some(),
         watermark_while_open,
@@ -107,6 +110,7 @@ async fn late_commit(tag: &str, open_transaction_bound: bool, overlap: &'static 
         late_rows: status.late_rows,
         late_max_micros: status.late_max_micros,
         warnings: status.warnings,
+        status_json: serde_json::from_str(&stdout).unwrap(),
     }
 }
 
@@ -130,6 +134,9 @@ async fn late_commit_is_caught_by_the_open_transaction_bound_or_the_overlap() {
     assert!(overlap.arrived, "bound off, overlap 30s: the late row arrives");
     assert!(overlap.watermark_while_open > overlap.transaction_start);
     assert_eq!(overlap.late_rows, 1, "exactly the late row is counted as late");
+    let late = &overlap.status_json["tasks"][0]["late_rows"];
+    assert_eq!(late["count"], 1, "{late}");
+    assert!(late["max_ms"].as_i64().unwrap() >= 18_000, "{late}");
     assert!(
         overlap.late_max_micros >= 18 * MICROS_PER_SECOND,
         "lateness ≈ 20 s: {}",
