@@ -9,16 +9,21 @@ use sha2::{Digest, Sha256};
 
 use crate::cursor::Cursor;
 
-/// Deterministic batch id: the first 128 bits of SHA-256 over the batch's identity.
-pub fn batch_id(task: &str, epoch: u64, shard_id: u32, lower: &Cursor, upper: &Cursor) -> String {
+/// Deterministic batch id: the first 128 bits of SHA-256 over the batch's identity, which
+/// includes the checkpoint version it was read at. A retry of the same read names the same
+/// batch; a read after its predecessor was abandoned (which bumps the version) never reuses
+/// the abandoned id, so an id can never stand for two contents.
+pub fn batch_id(
+    task: &str,
+    epoch: u64,
+    shard_id: u32,
+    checkpoint_version: u64,
+    lower: &Cursor,
+    upper: &Cursor,
+) -> String {
     let mut hasher = Sha256::new();
-    for part in [
-        task,
-        &epoch.to_string(),
-        &shard_id.to_string(),
-        &lower.encode(),
-        &upper.encode(),
-    ] {
+    let (epoch, shard_id, version) = (epoch.to_string(), shard_id.to_string(), checkpoint_version.to_string());
+    for part in [task, &epoch, &shard_id, &version, &lower.encode(), &upper.encode()] {
         hasher.update(part.as_bytes());
         hasher.update([0u8]);
     }
@@ -64,11 +69,12 @@ mod tests {
     fn batch_id_depends_on_every_part() {
         let lower = Cursor::snapshot_start(1);
         let upper = Cursor::snapshot_start(2);
-        let base = batch_id("items", 1, 0, &lower, &upper);
-        assert_eq!(base, batch_id("items", 1, 0, &lower, &upper));
-        assert_ne!(base, batch_id("items", 1, 1, &lower, &upper));
-        assert_ne!(base, batch_id("items", 2, 0, &lower, &upper));
-        assert_ne!(base, batch_id("items", 1, 0, &upper, &lower));
+        let base = batch_id("items", 1, 0, 7, &lower, &upper);
+        assert_eq!(base, batch_id("items", 1, 0, 7, &lower, &upper));
+        assert_ne!(base, batch_id("items", 1, 1, 7, &lower, &upper));
+        assert_ne!(base, batch_id("items", 2, 0, 7, &lower, &upper));
+        assert_ne!(base, batch_id("items", 1, 0, 8, &lower, &upper));
+        assert_ne!(base, batch_id("items", 1, 0, 7, &upper, &lower));
         assert_eq!(base.len(), 32);
     }
 }

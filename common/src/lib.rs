@@ -5,6 +5,7 @@
 pub mod batch;
 pub mod config;
 pub mod copy_text;
+pub mod crash;
 pub mod cursor;
 pub mod duration;
 pub mod pg;

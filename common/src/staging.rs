@@ -12,6 +12,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use crate::batch::{Manifest, content_hash};
+use crate::crash;
 use crate::redact::redact_url;
 
 #[derive(Debug, thiserror::Error)]
@@ -128,11 +129,45 @@ impl Staging {
     pub async fn write_batch(&self, manifest: &mut Manifest, data: Bytes) -> Result<String, StagingError> {
         debug_assert_eq!(manifest.content_hash, content_hash(&data));
         manifest.data_path = self.data_path(manifest);
-        self.put_if_absent(&manifest.data_path, data).await?;
+        if crash::armed("mid_data") {
+            // A non-atomic store torn by a crash: a prefix of the object at its final path.
+            let half = data.slice(..data.len() / 2);
+            let _ = self
+                .store
+                .put(&self.location(&manifest.data_path), PutPayload::from(half))
+                .await;
+            crash::kill("mid_data");
+        }
+        self.put_data(&manifest.data_path, &manifest.content_hash, data).await?;
+        crash::point("after_data");
         let manifest_path = self.manifest_path(manifest);
         let manifest_bytes = serde_json::to_vec_pretty(manifest).expect("manifest serializes");
         self.put_if_absent(&manifest_path, Bytes::from(manifest_bytes)).await?;
         Ok(manifest_path)
+    }
+
+    /// Data objects are named by their hash, so an object already at the path whose bytes do
+    /// not hash to its name is a torn write (nothing can reference it: no manifest names
+    /// it), and is replaced.
+    async fn put_data(&self, relative: &str, hash: &str, data: Bytes) -> Result<(), StagingError> {
+        match self.put_if_absent(relative, data.clone()).await {
+            Err(StagingError::Conflict { .. }) => {
+                let existing = self.get(relative).await?;
+                if content_hash(&existing) == hash {
+                    return Ok(());
+                }
+                tracing::warn!(path = relative, "replacing a torn staging object");
+                self.store
+                    .put(&self.location(relative), PutPayload::from(data))
+                    .await
+                    .map_err(|source| StagingError::Store {
+                        path: relative.to_string(),
+                        source,
+                    })?;
+                Ok(())
+            }
+            other => other,
+        }
     }
 
     /// Reads a batch by its manifest and verifies the data against the manifest's hash and

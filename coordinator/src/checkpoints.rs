@@ -37,6 +37,10 @@ pub struct ShardRecord {
 pub struct PendingBatchRecord {
     pub batch_id: String,
     pub manifest_path: String,
+    pub lower: Cursor,
+    pub upper: Cursor,
+    pub row_count: u64,
+    pub content_hash: String,
 }
 
 /// What an epoch froze at planning time.
@@ -373,7 +377,7 @@ impl ControlDb {
         cursor: &Cursor,
     ) -> Result<Option<PendingBatchRecord>, CoordinatorError> {
         let row = sqlx::query(
-            "SELECT batch_id, manifest_path FROM batches \
+            "SELECT batch_id, manifest_path, lower, upper, row_count, content_hash FROM batches \
              WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND state = 'STAGED' AND lower = $4 \
              ORDER BY staged_at LIMIT 1",
         )
@@ -383,10 +387,17 @@ impl ControlDb {
         .bind(cursor_json(cursor))
         .fetch_optional(&self.pool)
         .await?;
-        Ok(row.map(|row| PendingBatchRecord {
-            batch_id: row.get(0),
-            manifest_path: row.get(1),
-        }))
+        row.map(|row| {
+            Ok(PendingBatchRecord {
+                batch_id: row.get(0),
+                manifest_path: row.get(1),
+                lower: decode_cursor(row.get(2))?,
+                upper: decode_cursor(row.get(3))?,
+                row_count: row.get::<i64, _>(4) as u64,
+                content_hash: row.get(5),
+            })
+        })
+        .transpose()
     }
 
     /// Locks the shard's checkpoint row and checks that `fence` is the current owner's.
@@ -596,6 +607,35 @@ impl ControlDb {
         }
         tx.commit().await?;
         Ok(new_version)
+    }
+
+    /// Marks a staged batch ABANDONED on behalf of the shard's current owner and bumps the
+    /// checkpoint version, so that the next read of the same bounds gets a new batch id.
+    /// Returns the new version.
+    pub async fn abandon_batch(&self, shard: &ShardKey, fence: u64, batch_id: &str) -> Result<u64, CoordinatorError> {
+        let mut tx = self.pool.begin().await?;
+        Self::lock_checkpoint(tx.acquire().await?, shard, fence).await?;
+        sqlx::query(
+            "UPDATE batches SET state = 'ABANDONED' WHERE batch_id = $1 AND task = $2 AND epoch = $3 \
+             AND shard_id = $4 AND state = 'STAGED'",
+        )
+        .bind(batch_id)
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .execute(&mut *tx)
+        .await?;
+        let version: i64 = sqlx::query_scalar(
+            "UPDATE checkpoints SET version = version + 1, updated_at = now() \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3 RETURNING version",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(version as u64)
     }
 
     pub async fn release(&self, shard: &ShardKey, fence: u64, owner: &str) -> Result<(), CoordinatorError> {

@@ -137,6 +137,10 @@ impl CoordinatorService {
             pending: pending.map(|p| pb::PendingBatch {
                 batch_id: p.batch_id,
                 manifest_path: p.manifest_path,
+                lower: p.lower.encode(),
+                upper: p.upper.encode(),
+                row_count: p.row_count,
+                content_hash: p.content_hash,
             }),
             snapshot_max_key: task
                 .epoch
@@ -250,12 +254,34 @@ impl WorkerService for CoordinatorService {
             })
             .await;
         match result {
-            Ok(new_version) => Ok(Response::new(pb::CommitBatchResponse { new_version })),
+            Ok(new_version) => {
+                tidemark_common::crash::point("commit_before_reply");
+                Ok(Response::new(pb::CommitBatchResponse { new_version }))
+            }
             Err(error) => {
                 tracing::warn!(task = %shard.task, shard = shard.shard_id, worker = %request.worker_id, %error, "commit refused");
                 Err(error.into())
             }
         }
+    }
+
+    async fn abandon_batch(
+        &self,
+        request: Request<pb::AbandonBatchRequest>,
+    ) -> Result<Response<pb::AbandonBatchResponse>, Status> {
+        let request = request.into_inner();
+        self.task(&request.task)?;
+        let shard = shard_key(&request.task, request.epoch, request.shard_id);
+        let new_version = self
+            .inner
+            .control
+            .abandon_batch(&shard, request.fence_token, &request.batch_id)
+            .await?;
+        tracing::warn!(
+            task = %shard.task, shard = shard.shard_id, batch_id = %request.batch_id, reason = %request.reason,
+            "staged batch abandoned"
+        );
+        Ok(Response::new(pb::AbandonBatchResponse { new_version }))
     }
 
     async fn release_shard(

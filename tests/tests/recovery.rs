@@ -403,3 +403,103 @@ async fn four_thousand_rows_in_one_millisecond_survive_a_crash_between_pages() {
     assert_eq!(ledger_rows, 4000);
     assert_batch_protocol_held(&cluster).await;
 }
+
+/// What is done to the staged objects of the batch a crashed worker left behind.
+#[derive(Clone, Copy, Debug)]
+enum Tamper {
+    None,
+    FlipDataByte,
+    TruncateData,
+    DeleteManifest,
+    DeleteData,
+}
+
+/// A worker crashes at `point` on its second batch; the staged objects it left are tampered
+/// with; the next owner must still converge, per key, without applying a torn batch.
+async fn crash_and_tamper(tag: &str, point: &str, tamper: Tamper) {
+    let mut cluster = Cluster::new(tag).await;
+    create_items(&cluster.source, KeyKind::Bigint, 3000).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 1,
+            page_size: 1000,
+            overlap: "0s",
+            ..TaskSettings::default()
+        })
+        .await;
+    let crash_at = format!("{point}:2");
+    let first = cluster.spawn_worker("first", 1, &[("TIDEMARK_CRASH_AT", crash_at.as_str())]);
+    let exit = cluster.workers[first]
+        .wait_exit(Duration::from_secs(60))
+        .expect("the crash point was reached");
+    assert!(!exit.success(), "{tag}: killed");
+
+    let staging = cluster.dir.0.join("staging");
+    let registered: Option<String> = sqlx::query_scalar("SELECT manifest_path FROM batches WHERE state = 'STAGED'")
+        .fetch_optional(&cluster.control.pool)
+        .await
+        .unwrap();
+    if let Some(manifest_path) = &registered {
+        let manifest_file = staging.join(manifest_path);
+        let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(&manifest_file).unwrap()).unwrap();
+        let data_file = staging.join(manifest["data_path"].as_str().unwrap());
+        match tamper {
+            Tamper::None => {}
+            Tamper::FlipDataByte => {
+                let mut bytes = std::fs::read(&data_file).unwrap();
+                bytes[10] ^= 0x20;
+                std::fs::write(&data_file, bytes).unwrap();
+            }
+            Tamper::TruncateData => {
+                let bytes = std::fs::read(&data_file).unwrap();
+                std::fs::write(&data_file, &bytes[..bytes.len() / 3]).unwrap();
+            }
+            Tamper::DeleteManifest => std::fs::remove_file(&manifest_file).unwrap(),
+            Tamper::DeleteData => std::fs::remove_file(&data_file).unwrap(),
+        }
+    }
+    cluster.spawn_worker("second", 1, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(60), |t| t.snapshot_complete)
+        .await;
+    compare(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        &["id"],
+        ITEM_COLUMNS,
+        "updated_at",
+    )
+    .await
+    .assert_clean(&format!("{tag}: crash at {point}, {tamper:?}"));
+    assert_batch_protocol_held(&cluster).await;
+    // The target never received a row the source does not have at that version, and every
+    // ledger entry is a committed batch.
+    let ledger: Vec<String> = sqlx::query_scalar("SELECT batch_id FROM tidemark_ledger")
+        .fetch_all(&cluster.target.pool)
+        .await
+        .unwrap();
+    for batch_id in ledger {
+        let state: String = sqlx::query_scalar("SELECT state FROM batches WHERE batch_id = $1")
+            .bind(&batch_id)
+            .fetch_one(&cluster.control.pool)
+            .await
+            .unwrap();
+        assert_eq!(state, "COMMITTED", "{tag}: ledger batch {batch_id} is {state}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn torn_and_tampered_staging_never_reaches_the_target() {
+    tokio::join!(
+        crash_and_tamper("torn_mid", "mid_data", Tamper::None),
+        crash_and_tamper("torn_data", "after_data", Tamper::None),
+        crash_and_tamper("torn_flip", "after_register", Tamper::FlipDataByte),
+        crash_and_tamper("torn_trunc", "after_register", Tamper::TruncateData),
+        crash_and_tamper("torn_manifest", "after_register", Tamper::DeleteManifest),
+    );
+    tokio::join!(
+        crash_and_tamper("torn_inapply", "in_apply", Tamper::None),
+        crash_and_tamper("torn_applied", "after_apply", Tamper::DeleteData),
+        crash_and_tamper("torn_commit", "after_commit", Tamper::None),
+    );
+}

@@ -105,6 +105,7 @@ async fn apply_once(
     .execute(&mut *tx)
     .await?
     .rows_affected();
+    tidemark_common::crash::point("in_apply");
     if inserted == 0 {
         // Another owner applied it concurrently; its transaction won.
         tx.rollback().await?;
@@ -130,4 +131,13 @@ async fn verify(target: &PgPool, manifest: &Manifest) -> Result<(), WorkerError>
         )));
     }
     Ok(())
+}
+
+/// Whether the target's ledger holds `batch_id` with this content: the batch was applied.
+pub async fn ledger_holds(target: &PgPool, batch_id: &str, content_hash: &str) -> Result<bool, WorkerError> {
+    let stored: Option<String> = sqlx::query_scalar("SELECT content_hash FROM tidemark_ledger WHERE batch_id = $1")
+        .bind(batch_id)
+        .fetch_optional(target)
+        .await?;
+    Ok(stored.as_deref() == Some(content_hash))
 }

@@ -114,4 +114,15 @@ impl CoordinatorClient {
         client.release_shard(request).await?;
         Ok(())
     }
+
+    /// Returns the checkpoint's new version (abandoning bumps it).
+    pub async fn abandon_batch(&self, request: pb::AbandonBatchRequest) -> Result<u64, WorkerError> {
+        let response = self
+            .call("abandon_batch", Duration::from_secs(60), |mut c| {
+                let request = request.clone();
+                async move { c.abandon_batch(request).await }
+            })
+            .await?;
+        Ok(response.new_version)
+    }
 }

@@ -3,7 +3,6 @@
 
 pub mod apply;
 pub mod client;
-pub mod crash;
 pub mod error;
 pub mod pipeline;
 pub mod resources;

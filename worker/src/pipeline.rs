@@ -10,14 +10,14 @@
 use std::time::Duration;
 
 use tidemark_common::batch::{self, DATA_FORMAT_PG_COPY_TEXT, MANIFEST_FORMAT_VERSION, Manifest};
+use tidemark_common::crash;
 use tidemark_common::cursor::{Cursor, KeyValue, Position, ShardRange};
 use tidemark_common::pg::{Column, TableName, TableSql};
 use tidemark_proto::v1 as pb;
 use tokio::sync::watch;
 
-use crate::apply::{ApplyOutcome, OverlapRegion, apply_batch};
+use crate::apply::{ApplyOutcome, OverlapRegion, apply_batch, ledger_holds};
 use crate::client::CoordinatorClient;
-use crate::crash;
 use crate::error::WorkerError;
 use crate::resources::TaskResources;
 use crate::source::{can_see_all_transactions, oldest_open_transaction_micros, read_page, source_now_micros};
@@ -178,7 +178,10 @@ impl ShardRun {
     /// Re-applies exactly the staged batch that a previous owner left uncommitted
     /// (invariant 2: never re-extract it with fresher bounds).
     async fn replay(&mut self, client: &CoordinatorClient, pending: &pb::PendingBatch) -> Result<(), WorkerError> {
-        let (manifest, data) = self.resources.staging.read_batch(&pending.manifest_path).await?;
+        let (manifest, data) = match self.resources.staging.read_batch(&pending.manifest_path).await {
+            Ok(batch) => batch,
+            Err(error) => return self.recover_unreadable(client, pending, error).await,
+        };
         let lower = Cursor::decode(&manifest.lower).map_err(|e| WorkerError::Data(e.to_string()))?;
         let upper = Cursor::decode(&manifest.upper).map_err(|e| WorkerError::Data(e.to_string()))?;
         if lower != self.cursor || manifest.batch_id != pending.batch_id {
@@ -207,6 +210,45 @@ impl ShardRun {
             late_row_lateness_micros: late,
         };
         self.commit(client, bounds, false, true).await
+    }
+
+    /// The pending batch's staged objects are corrupt or gone. If the target's ledger holds the
+    /// batch it was applied: commit it by its registered bounds. Otherwise none of it reached
+    /// the target: abandon it and read again from the committed cursor.
+    async fn recover_unreadable(
+        &mut self,
+        client: &CoordinatorClient,
+        pending: &pb::PendingBatch,
+        error: tidemark_common::staging::StagingError,
+    ) -> Result<(), WorkerError> {
+        let decode = |text: &str| Cursor::decode(text).map_err(|e| WorkerError::Data(e.to_string()));
+        let (lower, upper) = (decode(&pending.lower)?, decode(&pending.upper)?);
+        if ledger_holds(&self.resources.target, &pending.batch_id, &pending.content_hash).await? {
+            tracing::warn!(task = %self.task.name, shard = self.shard_id, batch_id = %pending.batch_id, %error,
+                "pending batch unreadable in staging but applied in the target; committing it");
+            let bounds = Bounds {
+                batch_id: pending.batch_id.clone(),
+                lower,
+                upper,
+                row_count: pending.row_count,
+                late_row_lateness_micros: Vec::new(),
+            };
+            return self.commit(client, bounds, false, true).await;
+        }
+        tracing::warn!(task = %self.task.name, shard = self.shard_id, batch_id = %pending.batch_id, %error,
+            "pending batch unreadable in staging and never applied; abandoning it");
+        self.version = client
+            .abandon_batch(pb::AbandonBatchRequest {
+                worker_id: self.worker_id.clone(),
+                task: self.task.name.clone(),
+                epoch: self.epoch,
+                shard_id: self.shard_id,
+                fence_token: self.fence,
+                batch_id: pending.batch_id.clone(),
+                reason: error.to_string(),
+            })
+            .await?;
+        Ok(())
     }
 
     /// Decides what the next page reads. `None`: nothing can be read yet.
@@ -312,7 +354,7 @@ impl ShardRun {
             return Ok(true);
         }
         let lower = self.cursor.clone();
-        let batch_id = batch::batch_id(&self.task.name, self.epoch, self.shard_id, &lower, &upper);
+        let batch_id = batch::batch_id(&self.task.name, self.epoch, self.shard_id, self.version, &lower, &upper);
         let bounds = Bounds {
             batch_id,
             lower,
