@@ -47,6 +47,10 @@ pub struct CoordinatorConfig {
     pub staging: String,
     #[serde(default = "default_lease_ttl", with = "serde_human")]
     pub lease_ttl: Duration,
+    /// Staged objects of committed or abandoned batches, and objects no registered batch
+    /// references (torn writes, crashed owners), are deleted once older than this.
+    #[serde(default = "default_staging_retention", with = "serde_human")]
+    pub staging_retention: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -151,6 +155,9 @@ fn default_etcd_prefix() -> String {
 }
 fn default_lease_ttl() -> Duration {
     Duration::from_secs(10)
+}
+fn default_staging_retention() -> Duration {
+    Duration::from_secs(3600)
 }
 fn default_shards() -> u32 {
     8

@@ -194,3 +194,59 @@ impl Staging {
         Ok((manifest, data))
     }
 }
+
+/// One staged object as the janitor sees it.
+#[derive(Debug, Clone)]
+pub struct StagedObject {
+    /// Path relative to the staging root: `task/epoch-E/shard-S/BATCH/file`.
+    pub path: String,
+    pub batch_id: Option<String>,
+    pub age: std::time::Duration,
+}
+
+impl Staging {
+    /// Every object under the staging root, with the batch id its folder names.
+    pub async fn list(&self) -> Result<Vec<StagedObject>, StagingError> {
+        use futures::TryStreamExt;
+        let now = chrono::Utc::now();
+        let prefix = self.prefix.clone();
+        let metas: Vec<object_store::ObjectMeta> =
+            self.store
+                .list(Some(&prefix))
+                .try_collect()
+                .await
+                .map_err(|source| StagingError::Store {
+                    path: prefix.to_string(),
+                    source,
+                })?;
+        Ok(metas
+            .into_iter()
+            .map(|meta| {
+                let full = meta.location.to_string();
+                let relative = full
+                    .strip_prefix(prefix.as_ref())
+                    .unwrap_or(&full)
+                    .trim_start_matches('/')
+                    .to_string();
+                let parts: Vec<&str> = relative.split('/').collect();
+                let batch_id = (parts.len() == 5).then(|| parts[3].to_string());
+                let age = (now - meta.last_modified).to_std().unwrap_or_default();
+                StagedObject {
+                    path: relative,
+                    batch_id,
+                    age,
+                }
+            })
+            .collect())
+    }
+
+    pub async fn delete(&self, relative: &str) -> Result<(), StagingError> {
+        match self.store.delete(&self.location(relative)).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(source) => Err(StagingError::Store {
+                path: relative.to_string(),
+                source,
+            }),
+        }
+    }
+}

@@ -3,6 +3,7 @@
 
 pub mod checkpoints;
 pub mod error;
+pub mod janitor;
 pub mod leases;
 pub mod planner;
 pub mod service;

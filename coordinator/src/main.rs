@@ -159,6 +159,12 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("etcd {}", settings.etcd_endpoints.join(",")))?;
 
+    let staging = tidemark_common::staging::Staging::open(&settings.staging)?;
+    tokio::spawn(tidemark_coordinator::janitor::collect_staging(
+        control.clone(),
+        staging,
+        settings.staging_retention,
+    ));
     let service = CoordinatorService::new(Coordinator {
         control,
         leases,

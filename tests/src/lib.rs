@@ -243,6 +243,7 @@ pub struct TaskSettings {
     pub extra: String,
     /// Environment for the coordinator process.
     pub coordinator_env: Vec<(&'static str, String)>,
+    pub staging_retention: &'static str,
 }
 
 impl Default for TaskSettings {
@@ -260,6 +261,7 @@ impl Default for TaskSettings {
             open_transaction_bound: true,
             extra: String::new(),
             coordinator_env: Vec::new(),
+            staging_retention: "1h",
         }
     }
 }
@@ -306,6 +308,7 @@ etcd_endpoints = ["{etcd}"]
 control_db = "{control}"
 staging = "file://{staging}"
 lease_ttl = "{ttl}"
+staging_retention = "{retention}"
 
 [[tasks]]
 name = "items"
@@ -327,6 +330,7 @@ open_transaction_bound = {bound}
             control = self.control.url,
             staging = self.dir.0.join("staging").display(),
             ttl = task.lease_ttl,
+            retention = task.staging_retention,
             source = self.source.url,
             source_table = task.source_table,
             target = self.target.url,

@@ -424,6 +424,7 @@ async fn crash_and_tamper(tag: &str, point: &str, tamper: Tamper) {
             shards: 1,
             page_size: 1000,
             overlap: "0s",
+            staging_retention: "1s",
             ..TaskSettings::default()
         })
         .await;
@@ -486,6 +487,37 @@ async fn crash_and_tamper(tag: &str, point: &str, tamper: Tamper) {
             .unwrap();
         assert_eq!(state, "COMMITTED", "{tag}: ledger batch {batch_id} is {state}");
     }
+    // Every batch is committed or abandoned now, so the janitor collects every staged object,
+    // torn ones included.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = walk(&staging);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{tag}: staging objects not collected: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Files below `dir`.
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return files;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
