@@ -590,6 +590,48 @@ async fn clock_rollback_within_tolerance_loses_nothing_and_beyond_it_pauses() {
     )
     .await
     .assert_clean("after resume");
+
+    // An operator pause while workers commit every poll: their commits are refused, and they
+    // release their shards (a dropped but unreleased shard would stay owned for ever).
+    let (ok, _, stderr) = cluster.cli(&[
+        "tasks",
+        "pause",
+        "items",
+        "--coordinator",
+        &cluster.address,
+        "--reason",
+        "maintenance",
+    ]);
+    assert!(ok, "{stderr}");
+    let status = cluster
+        .wait_for("every shard released", Duration::from_secs(30), |t| {
+            t.shards.iter().all(|s| s.owner.is_empty())
+        })
+        .await;
+    assert_eq!(
+        (status.phase.as_str(), status.paused_reason.as_str()),
+        ("paused", "maintenance")
+    );
+    assert!(
+        cluster
+            .cli(&["tasks", "resume", "items", "--coordinator", &cluster.address])
+            .0
+    );
+    cluster
+        .source
+        .exec("UPDATE items SET name = 'after pause', updated_at = clock_timestamp() WHERE id = 8")
+        .await;
+    let end = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    compare(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        &["id"],
+        ITEM_COLUMNS,
+        "updated_at",
+    )
+    .await
+    .assert_clean("after an operator pause and resume");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,7 +1,10 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use std::panic::AssertUnwindSafe;
+
 use clap::Parser;
+use futures::FutureExt;
 use tidemark_proto::v1 as pb;
 use tidemark_worker::client::CoordinatorClient;
 use tidemark_worker::error::WorkerError;
@@ -232,13 +235,23 @@ async fn spawn_shard(
             }
         };
         tracing::info!(task = %run.task.name, shard = run.shard_id, fence = run.fence, cursor = %run.cursor.describe(), "working on shard");
-        let result = run.run(&client, assignment.pending, stop).await;
-        let release = match &result {
-            // The shard is someone else's now; touching it, even to release, is not ours to do.
-            Err(WorkerError::Fenced(_)) => None,
-            _ => Some(release),
+        // A panic in the loop must not leave the shard owned by a worker that no longer works
+        // on it: it becomes an error, and the shard is released.
+        let result = match AssertUnwindSafe(run.run(&client, assignment.pending, stop)).catch_unwind().await {
+            Ok(result) => result,
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("unknown panic");
+                Err(WorkerError::Data(format!("shard loop panicked: {message}")))
+            }
         };
-        ShardEnded { release, result }
+        // Release even when fenced or paused: the release is itself fenced (etcd compares the
+        // key's create revision, the control database the fence and owner), so it is a no-op
+        // for a shard that moved on, and it frees a paused task's shard for after its resume.
+        ShardEnded { release: Some(release), result }
     });
 }
 
@@ -247,6 +260,9 @@ async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) {
         match &ended.result {
             Ok(()) => {
                 tracing::info!(task = %release.task, shard = release.shard_id, "shard stopped")
+            }
+            Err(WorkerError::Fenced(reason)) => {
+                tracing::warn!(task = %release.task, shard = release.shard_id, %reason, "shard lost; releasing it")
             }
             Err(error) => {
                 tracing::warn!(task = %release.task, shard = release.shard_id, %error, "shard ended with an error; releasing it")
