@@ -11,6 +11,10 @@
 //! target transaction, rows upserted, not committed), `after_apply` (target committed, commit
 //! RPC not sent), `after_commit` (commit acknowledged). Coordinator point:
 //! `commit_before_reply` (checkpoint committed, reply not sent).
+//!
+//! `TIDEMARK_STOP_AT=<point>:<n>` instead freezes the worker (SIGSTOP) there: `before_commit`
+//! (target committed, checkpoint not) or `in_apply` (inside the target transaction, holding
+//! row locks): a zombie at the worst moments.
 
 #[cfg(feature = "crash-points")]
 mod enabled {
@@ -31,6 +35,28 @@ mod enabled {
     /// Counts a pass of `name`; true when this pass is the one to crash at.
     pub fn armed(name: &str) -> bool {
         matches!(target(), Some((point, at)) if point == name && PASSED.fetch_add(1, Ordering::SeqCst) + 1 == *at)
+    }
+
+    static STOP_TARGET: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    static STOP_PASSED: AtomicU64 = AtomicU64::new(0);
+
+    /// `TIDEMARK_STOP_AT=<point>:<n>`: the process SIGSTOPs itself the n-th time it passes
+    /// `<point>`; whoever sends SIGCONT later wakes a zombie at exactly that step.
+    pub fn stop_point(name: &str) {
+        let target = STOP_TARGET.get_or_init(|| {
+            let value = std::env::var("TIDEMARK_STOP_AT").ok()?;
+            let (point, count) = value.split_once(':')?;
+            Some((point.to_string(), count.parse().ok()?))
+        });
+        if matches!(target, Some((point, at)) if point == name && STOP_PASSED.fetch_add(1, Ordering::SeqCst) + 1 == *at)
+        {
+            eprintln!("stop point {name} reached: SIGSTOP");
+            // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGSTOP);
+            }
+            eprintln!("stop point {name}: continued");
+        }
     }
 
     pub fn kill(name: &str) -> ! {
@@ -65,6 +91,15 @@ pub fn armed(name: &str) -> bool {
         let _ = name;
         false
     }
+}
+
+/// Freezes the whole process here (SIGSTOP) if this pass is the configured stop point.
+#[inline]
+pub fn stop_point(name: &str) {
+    #[cfg(feature = "crash-points")]
+    enabled::stop_point(name);
+    #[cfg(not(feature = "crash-points"))]
+    let _ = name;
 }
 
 #[inline]

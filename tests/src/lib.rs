@@ -9,6 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod faults;
+
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_proto::v1 as pb;
@@ -129,6 +131,15 @@ impl Etcd {
             child,
             _dir: dir,
         }
+    }
+}
+
+impl Etcd {
+    pub fn signal(&self, signal: &str) {
+        Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
     }
 }
 
@@ -279,6 +290,9 @@ pub struct Cluster {
     pub dir: TempDir,
     pub address: String,
     pub config_path: PathBuf,
+    /// Where workers reach the coordinator, when not directly (e.g. through a fault proxy).
+    pub worker_address: Option<String>,
+    restarts: u32,
 }
 
 impl Cluster {
@@ -292,6 +306,8 @@ impl Cluster {
             dir: TempDir::new(tag),
             address: String::new(),
             config_path: PathBuf::new(),
+            worker_address: None,
+            restarts: 0,
             coordinator: None,
             workers: Vec::new(),
         }
@@ -354,15 +370,23 @@ open_transaction_bound = {bound}
 
     pub async fn start(&mut self, task: &TaskSettings) {
         let config = self.write_config(task);
+        let env: Vec<(&str, &str)> = task.coordinator_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        self.launch_coordinator(&config, &env).await;
+    }
+
+    /// Starts (or restarts) the coordinator on `config` and waits until it answers.
+    pub async fn launch_coordinator(&mut self, config: &Path, env: &[(&str, &str)]) {
+        if let Some(mut old) = self.coordinator.take() {
+            old.kill9();
+            let name = format!("coordinator-{}", self.restarts);
+            let _ = std::fs::rename(&old.log, self.dir.0.join(format!("{name}.log")));
+        }
+        self.restarts += 1;
         let coordinator = Process::spawn(
             "coordinator",
             &binary("tidemark-coordinator"),
             &["serve", "--config", config.to_str().unwrap()],
-            &task
-                .coordinator_env
-                .iter()
-                .map(|(k, v)| (*k, v.as_str()))
-                .collect::<Vec<_>>(),
+            env,
             &self.dir.0,
         );
         self.coordinator = Some(coordinator);
@@ -387,7 +411,14 @@ open_transaction_bound = {bound}
         let worker = Process::spawn(
             id,
             &binary("tidemark-worker"),
-            &["--coordinator", &self.address, "--id", id, "--max-shards", &max],
+            &[
+                "--coordinator",
+                self.worker_address.as_deref().unwrap_or(&self.address),
+                "--id",
+                id,
+                "--max-shards",
+                &max,
+            ],
             env,
             &self.dir.0,
         );

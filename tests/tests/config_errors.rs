@@ -37,7 +37,7 @@ async fn bad_config_and_bad_tables_are_named() {
     std::fs::write(&config, text.replace("shards = 8", "shardz = 8")).unwrap();
     let error = serve_error(&cluster, "unknown-key");
     assert!(
-        error.contains("unknown field `shardz`") && error.contains("line 16"),
+        error.contains("unknown field `shardz`") && error.contains("line 17"),
         "{error}"
     );
 

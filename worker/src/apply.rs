@@ -106,6 +106,9 @@ async fn apply_once(
     .await?
     .rows_affected();
     tidemark_common::crash::point("in_apply");
+    // A zombie frozen here holds row locks in an open transaction; the session's
+    // idle_in_transaction_session_timeout (half the lease TTL) ends it for the next owner.
+    tidemark_common::crash::stop_point("in_apply");
     if inserted == 0 {
         // Another owner applied it concurrently; its transaction won.
         tx.rollback().await?;

@@ -424,6 +424,7 @@ impl ShardRun {
             late_row_lateness_micros: late,
             ..bounds
         };
+        crash::stop_point("before_commit");
         self.commit(client, bounds, false, false).await?;
         crash::point("after_commit");
         Ok(!full)
