@@ -475,6 +475,34 @@ open_transaction_bound = {bound}
         }
     }
 
+    /// The per-key comparison of the `items` fixture (every column, version = cursor time).
+    pub async fn items_diff(&self) -> Diff {
+        compare(
+            &self.source.pool,
+            &self.target.pool,
+            &["id"],
+            ITEM_COLUMNS,
+            "updated_at",
+        )
+        .await
+    }
+
+    /// Row counts of the committed batches in commit order, after checking that their bounds
+    /// chain (each starts where the previous one ended): none skipped, none read twice.
+    pub async fn committed_batch_counts(&self) -> Vec<i64> {
+        let batches =
+            sqlx::query("SELECT row_count, lower, upper FROM batches WHERE state = 'COMMITTED' ORDER BY committed_at")
+                .fetch_all(&self.control.pool)
+                .await
+                .unwrap();
+        for pair in batches.windows(2) {
+            let upper: serde_json::Value = pair[0].get(2);
+            let lower: serde_json::Value = pair[1].get(1);
+            assert_eq!(upper, lower, "each page starts where the previous one ended");
+        }
+        batches.iter().map(|b| b.get(0)).collect()
+    }
+
     /// Source clock now, in microseconds (the watermark is in source time).
     pub async fn source_now_micros(&self) -> i64 {
         sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")

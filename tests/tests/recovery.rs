@@ -9,7 +9,7 @@ use sqlx::Row;
 use tidemark_common::cursor::{Cursor, KeyValue, Position};
 use tidemark_proto::v1 as pb;
 use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
-use tidemark_tests::{Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, compare, create_items, insert_items};
+use tidemark_tests::{Cluster, KeyKind, TaskSettings, create_items, insert_items};
 
 /// Every committed batch is in the target ledger exactly once with the registered content,
 /// and per shard the checkpoint history never goes backwards.
@@ -91,15 +91,7 @@ async fn worker_killed_mid_snapshot_and_pending_batch_replayed() {
     cluster
         .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
         .await;
-    compare(
-        &cluster.source.pool,
-        &cluster.target.pool,
-        &["id"],
-        ITEM_COLUMNS,
-        "updated_at",
-    )
-    .await
-    .assert_clean("after the kills");
+    cluster.items_diff().await.assert_clean("after the kills");
 
     // The crasher's batch was re-applied from staging by the new owner and committed once.
     let replayed = sqlx::query("SELECT batch_id, fence FROM batches WHERE replayed AND state = 'COMMITTED'")
@@ -157,20 +149,39 @@ async fn batch_staged_but_never_registered_is_restaged_by_the_next_owner() {
     cluster
         .wait_for("snapshot complete", Duration::from_secs(60), |t| t.snapshot_complete)
         .await;
-    compare(
-        &cluster.source.pool,
-        &cluster.target.pool,
-        &["id"],
-        ITEM_COLUMNS,
-        "updated_at",
-    )
-    .await
-    .assert_clean("after a crash between staging and registering");
+    cluster
+        .items_diff()
+        .await
+        .assert_clean("after a crash between staging and registering");
     assert_batch_protocol_held(&cluster).await;
 }
 
 async fn worker_client(cluster: &Cluster) -> WorkerServiceClient<tonic::transport::Channel> {
     WorkerServiceClient::connect(cluster.address.clone()).await.unwrap()
+}
+
+/// Registers a worker over gRPC and acquires one shard for it.
+async fn register_and_acquire(
+    client: &mut WorkerServiceClient<tonic::transport::Channel>,
+    worker_id: &str,
+) -> Option<pb::ShardAssignment> {
+    let lease_id = client
+        .register_worker(pb::RegisterWorkerRequest {
+            worker_id: worker_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    client
+        .acquire_shard(pb::AcquireShardRequest {
+            worker_id: worker_id.into(),
+            lease_id,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .assignment
 }
 
 async fn checkpoint_row(cluster: &Cluster, shard_id: u32) -> (serde_json::Value, i64, i64) {
@@ -195,24 +206,7 @@ async fn commit_with_a_stale_fence_is_refused() {
     let mut client = worker_client(&cluster).await;
 
     // A first owner takes the shard, then loses it to a second owner.
-    let zombie_lease = client
-        .register_worker(pb::RegisterWorkerRequest {
-            worker_id: "zombie".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .lease_id;
-    let zombie = client
-        .acquire_shard(pb::AcquireShardRequest {
-            worker_id: "zombie".into(),
-            lease_id: zombie_lease,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .assignment
-        .expect("a free shard");
+    let zombie = register_and_acquire(&mut client, "zombie").await.expect("a free shard");
     client
         .release_shard(pb::ReleaseShardRequest {
             worker_id: "zombie".into(),
@@ -223,23 +217,8 @@ async fn commit_with_a_stale_fence_is_refused() {
         })
         .await
         .unwrap();
-    let owner_lease = client
-        .register_worker(pb::RegisterWorkerRequest {
-            worker_id: "owner".into(),
-        })
+    let owner = register_and_acquire(&mut client, "owner")
         .await
-        .unwrap()
-        .into_inner()
-        .lease_id;
-    let owner = client
-        .acquire_shard(pb::AcquireShardRequest {
-            worker_id: "owner".into(),
-            lease_id: owner_lease,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .assignment
         .expect("the released shard");
     assert_eq!(owner.shard_id, zombie.shard_id);
     assert!(
@@ -372,30 +351,13 @@ async fn four_thousand_rows_in_one_millisecond_survive_a_crash_between_pages() {
     cluster.spawn_worker("second", 1, &[]);
     let end = cluster.source_now_micros().await;
     cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
-    let diff = compare(
-        &cluster.source.pool,
-        &cluster.target.pool,
-        &["id"],
-        ITEM_COLUMNS,
-        "updated_at",
-    )
-    .await;
+    let diff = cluster.items_diff().await;
     diff.assert_clean("4,000 rows sharing one millisecond");
     assert_eq!(diff.keys, 4000);
 
     // None skipped, none read twice: four batches of 1,000 whose bounds chain.
-    let batches =
-        sqlx::query("SELECT row_count, lower, upper FROM batches WHERE state = 'COMMITTED' ORDER BY committed_at")
-            .fetch_all(&cluster.control.pool)
-            .await
-            .unwrap();
-    let counts: Vec<i64> = batches.iter().map(|b| b.get(0)).collect();
+    let counts = cluster.committed_batch_counts().await;
     assert_eq!(counts, vec![1000, 1000, 1000, 1000]);
-    for pair in batches.windows(2) {
-        let upper: serde_json::Value = pair[0].get(2);
-        let lower: serde_json::Value = pair[1].get(1);
-        assert_eq!(upper, lower, "each page starts where the previous one ended");
-    }
     let ledger_rows: i64 = sqlx::query_scalar("SELECT sum(row_count)::bigint FROM tidemark_ledger")
         .fetch_one(&cluster.target.pool)
         .await
@@ -463,15 +425,10 @@ async fn crash_and_tamper(tag: &str, point: &str, tamper: Tamper) {
     cluster
         .wait_for("snapshot complete", Duration::from_secs(60), |t| t.snapshot_complete)
         .await;
-    compare(
-        &cluster.source.pool,
-        &cluster.target.pool,
-        &["id"],
-        ITEM_COLUMNS,
-        "updated_at",
-    )
-    .await
-    .assert_clean(&format!("{tag}: crash at {point}, {tamper:?}"));
+    cluster
+        .items_diff()
+        .await
+        .assert_clean(&format!("{tag}: crash at {point}, {tamper:?}"));
     assert_batch_protocol_held(&cluster).await;
     // The target never received a row the source does not have at that version, and every
     // ledger entry is a committed batch.

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use tidemark_tests::{Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, binary, compare, create_items, write_changes};
+use tidemark_tests::{Cluster, KeyKind, TaskSettings, binary, create_items, write_changes};
 
 async fn snapshot_then_incremental(tag: &str, key: KeyKind, rows: i64) {
     let mut cluster = Cluster::new(tag).await;
@@ -26,27 +26,12 @@ async fn snapshot_then_incremental(tag: &str, key: KeyKind, rows: i64) {
         3,
         "8 shards over 3 workers with at most 3 each: {owners:?}"
     );
-    compare(
-        &cluster.source.pool,
-        &cluster.target.pool,
-        &["id"],
-        ITEM_COLUMNS,
-        "updated_at",
-    )
-    .await
-    .assert_clean("after the snapshot");
+    cluster.items_diff().await.assert_clean("after the snapshot");
 
     // 5,000 updates and 5,000 inserts while the workers run.
     let writes_end = write_changes(&cluster.source, key, rows, 20).await;
     cluster.wait_for_watermark(writes_end, Duration::from_secs(120)).await;
-    let diff = compare(
-        &cluster.source.pool,
-        &cluster.target.pool,
-        &["id"],
-        ITEM_COLUMNS,
-        "updated_at",
-    )
-    .await;
+    let diff = cluster.items_diff().await;
     diff.assert_clean("after 5k updates and 5k inserts");
     assert_eq!(diff.keys, rows as usize + 5_000);
 
