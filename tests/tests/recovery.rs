@@ -492,3 +492,45 @@ async fn torn_and_tampered_staging_never_reaches_the_target() {
         crash_and_tamper("torn_commit", "after_commit", Tamper::None),
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_the_worker_and_releases_its_shards_at_once() {
+    let mut cluster = Cluster::new("drain").await;
+    create_items(&cluster.source, KeyKind::Bigint, 20_000).await;
+    // A long lease: shards freed within it were released, not expired.
+    cluster
+        .start(&TaskSettings {
+            shards: 4,
+            lease_ttl: "60s",
+            ..TaskSettings::default()
+        })
+        .await;
+    let first = cluster.spawn_worker("first", 4, &[]);
+    cluster
+        .wait_for("all shards owned", Duration::from_secs(60), |t| {
+            t.shards.iter().all(|s| s.owner == "first")
+        })
+        .await;
+    cluster.workers[first].signal("TERM");
+    let exit = cluster.workers[first]
+        .wait_exit(Duration::from_secs(30))
+        .expect("the worker exits after SIGTERM");
+    assert!(exit.success(), "a drained worker exits 0: {exit}");
+    let status = cluster.task_status().await;
+    assert!(
+        status.shards.iter().all(|s| s.owner.is_empty()),
+        "released, well within the 60 s lease: {status:?}"
+    );
+
+    cluster.spawn_worker("second", 4, &[]);
+    cluster
+        .source
+        .exec("UPDATE items SET name = 'after drain', updated_at = clock_timestamp() WHERE id % 100 = 0")
+        .await;
+    let end = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    cluster
+        .items_diff()
+        .await
+        .assert_clean("after a drain and a new worker");
+}
