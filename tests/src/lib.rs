@@ -487,6 +487,15 @@ open_transaction_bound = {bound}
         .await
     }
 
+    /// Runs `sql` on the source, waits until the watermark passes it, and checks `items`
+    /// per key.
+    pub async fn write_and_converge(&self, sql: &str, context: &str) {
+        self.source.exec(sql).await;
+        let end = self.source_now_micros().await;
+        self.wait_for_watermark(end, Duration::from_secs(60)).await;
+        self.items_diff().await.assert_clean(context);
+    }
+
     /// Row counts of the committed batches in commit order, after checking that their bounds
     /// chain (each starts where the previous one ended): none skipped, none read twice.
     pub async fn committed_batch_counts(&self) -> Vec<i64> {

@@ -321,6 +321,22 @@ async fn backdated_update(tag: &str, version: &str) -> Cluster {
     cluster
 }
 
+/// Per key, every column including `tidemark_row_version`, which is also the version.
+async fn assert_trigger_versions_equal(cluster: &Cluster, context: &str) {
+    let mut columns = ITEM_COLUMNS.to_vec();
+    columns.push("tidemark_row_version");
+    compare_table(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        "items",
+        &["id"],
+        &columns,
+        "tidemark_row_version",
+    )
+    .await
+    .assert_clean(context);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
     let (trigger, default) = tokio::join!(
@@ -330,18 +346,7 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
 
     // Trigger version: the newer write wins although its cursor time went back 30 s.
     assert_eq!(row_name(&trigger.target, 1).await.as_deref(), Some("v3 backdated"));
-    let mut columns = ITEM_COLUMNS.to_vec();
-    columns.push("tidemark_row_version");
-    compare_table(
-        &trigger.source.pool,
-        &trigger.target.pool,
-        "items",
-        &["id"],
-        &columns,
-        "tidemark_row_version",
-    )
-    .await
-    .assert_clean("trigger versions");
+    assert_trigger_versions_equal(&trigger, "trigger versions").await;
 
     // The default version is the cursor time: the backdated write loses (documented).
     assert_eq!(
@@ -392,16 +397,7 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
         .await
         .unwrap();
     assert_eq!(outcome, tidemark_worker::apply::ApplyOutcome::Applied);
-    compare_table(
-        &trigger.source.pool,
-        &trigger.target.pool,
-        "items",
-        &["id"],
-        &columns,
-        "tidemark_row_version",
-    )
-    .await
-    .assert_clean("after re-applying an old batch");
+    assert_trigger_versions_equal(&trigger, "after re-applying an old batch").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -594,15 +590,11 @@ async fn clock_rollback_within_tolerance_loses_nothing_and_beyond_it_pauses() {
             .0
     );
     cluster
-        .source
-        .exec("UPDATE items SET name = 'after pause', updated_at = clock_timestamp() WHERE id = 8")
+        .write_and_converge(
+            "UPDATE items SET name = 'after pause', updated_at = clock_timestamp() WHERE id = 8",
+            "after an operator pause and resume",
+        )
         .await;
-    let end = cluster.source_now_micros().await;
-    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
-    cluster
-        .items_diff()
-        .await
-        .assert_clean("after an operator pause and resume");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
