@@ -57,7 +57,8 @@ fn default_worker_id() -> String {
 
 /// What a shard loop reports when it ends.
 struct ShardEnded {
-    release: Option<pb::ReleaseShardRequest>,
+    /// Always sent: the release is fenced, so it is a no-op for a shard that moved on.
+    release: pb::ReleaseShardRequest,
     result: Result<(), WorkerError>,
 }
 
@@ -229,7 +230,7 @@ async fn spawn_shard(
             Ok(run) => run,
             Err(error) => {
                 return ShardEnded {
-                    release: Some(release),
+                    release,
                     result: Err(error),
                 };
             }
@@ -251,27 +252,22 @@ async fn spawn_shard(
         // Release even when fenced or paused: the release is itself fenced (etcd compares the
         // key's create revision, the control database the fence and owner), so it is a no-op
         // for a shard that moved on, and it frees a paused task's shard for after its resume.
-        ShardEnded { release: Some(release), result }
+        ShardEnded { release, result }
     });
 }
 
 async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) {
-    if let Some(release) = &ended.release {
-        match &ended.result {
-            Ok(()) => {
-                tracing::info!(task = %release.task, shard = release.shard_id, "shard stopped")
-            }
-            Err(WorkerError::Fenced(reason)) => {
-                tracing::warn!(task = %release.task, shard = release.shard_id, %reason, "shard lost; releasing it")
-            }
-            Err(error) => {
-                tracing::warn!(task = %release.task, shard = release.shard_id, %error, "shard ended with an error; releasing it")
-            }
+    let release = &ended.release;
+    match &ended.result {
+        Ok(()) => tracing::info!(task = %release.task, shard = release.shard_id, "shard stopped"),
+        Err(WorkerError::Fenced(reason)) => {
+            tracing::warn!(task = %release.task, shard = release.shard_id, %reason, "shard lost; releasing it")
         }
-        if let Err(error) = client.release_shard(release.clone()).await {
-            tracing::warn!(task = %release.task, shard = release.shard_id, %error, "release failed; the lease will expire instead");
+        Err(error) => {
+            tracing::warn!(task = %release.task, shard = release.shard_id, %error, "shard ended with an error; releasing it")
         }
-    } else if let Err(error) = &ended.result {
-        tracing::warn!(%error, "shard dropped");
+    }
+    if let Err(error) = client.release_shard(release.clone()).await {
+        tracing::warn!(task = %release.task, shard = release.shard_id, %error, "release failed; the lease will expire instead");
     }
 }
