@@ -57,6 +57,10 @@ pub struct Manifest {
     pub data_path: String,
     /// `pg_copy_text`: PostgreSQL's COPY text stream.
     pub data_format: String,
+    /// A reconciliation's repair batch: its bounds are equal (the cursor does not move) and
+    /// each row carries the target version the comparison saw (see `pg::EXPECTED_COLUMN`).
+    #[serde(default)]
+    pub repair: bool,
 }
 
 pub const DATA_FORMAT_PG_COPY_TEXT: &str = "pg_copy_text";

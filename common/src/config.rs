@@ -94,6 +94,67 @@ pub struct TaskConfig {
     /// tolerance is re-read by the overlap.
     #[serde(default, with = "serde_human_option")]
     pub clock_tolerance: Option<Duration>,
+    /// How deletions in the source reach the target (see [`DeletePolicy`]); none by default.
+    #[serde(default)]
+    pub delete_policy: Option<DeletePolicy>,
+    /// What a deletion does in the target: `hard` (default) removes the row, `soft` keeps it
+    /// with `_tidemark_deleted = true`. Either way the tombstone's version is kept.
+    #[serde(default)]
+    pub target_deletes: TargetDeletes,
+    /// Run a reconciliation this often (none by default).
+    #[serde(default, with = "serde_human_option")]
+    pub reconcile_every: Option<Duration>,
+    /// Scheduled reconciliations compare rows whose cursor time lies within this window of
+    /// now; unset: the whole table.
+    #[serde(default, with = "serde_human_option")]
+    pub reconcile_window: Option<Duration>,
+    /// Clauses of the source contract the operator relies on; the coordinator refuses to
+    /// start a task whose configuration cannot deliver one (see `contract`).
+    #[serde(default)]
+    pub contract: ContractClaims,
+}
+
+/// `delete_policy = { kind = "soft", column = "deleted_at" }`: the source marks deleted rows
+/// (a timestamp that is set, or a boolean that is true) and bumps the cursor column.
+/// `{ kind = "tombstone_table", retention = "7d" }`: a trigger-fed delete log on the source
+/// (`source install`), purged after the retention.
+/// `{ kind = "reconcile" }`: the source records nothing; reconciliation finds deletions.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DeletePolicy {
+    Soft {
+        column: String,
+    },
+    TombstoneTable {
+        #[serde(default = "default_tombstone_retention", with = "serde_human")]
+        retention: Duration,
+    },
+    Reconcile {},
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TargetDeletes {
+    #[default]
+    Hard,
+    Soft,
+}
+
+/// What the operator claims of the source contract (seed 001's five clauses). Unset claims
+/// are not checked; the derived contract is shown by `status` either way.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContractClaims {
+    /// Any of `inserts`, `updates`, `deletes`.
+    #[serde(default)]
+    pub coverage: Vec<String>,
+    /// How long a stopped consumer may stay away and still resume from its checkpoint.
+    #[serde(default, with = "serde_human_option")]
+    pub retention: Option<Duration>,
+    /// `page` (each page is one consistent read) or `table` (the whole table read from one
+    /// snapshot, which Tidemark does not provide).
+    #[serde(default)]
+    pub consistency: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -173,6 +234,9 @@ fn default_poll_interval() -> Duration {
 }
 fn default_overlap() -> Duration {
     Duration::from_secs(10)
+}
+fn default_tombstone_retention() -> Duration {
+    Duration::from_secs(7 * 86_400)
 }
 fn default_true() -> bool {
     true
@@ -280,6 +344,22 @@ impl Config {
                 }
                 _ => {}
             }
+            if let Some(DeletePolicy::TombstoneTable { retention }) = &task.delete_policy
+                && *retention <= task.overlap + task.safety_delay
+            {
+                return Err(invalid(format!(
+                    "task {name}: delete_policy.retention must exceed overlap + safety_delay, or deletes are purged before they are read"
+                )));
+            }
+            if task.mode == TaskMode::Append && (task.delete_policy.is_some() || task.reconcile_every.is_some()) {
+                return Err(invalid(format!(
+                    "task {name}: append mode reads inserts only; remove delete_policy and reconcile_every"
+                )));
+            }
+            if task.reconcile_every.is_some_and(|every| every.is_zero()) {
+                return Err(invalid(format!("task {name}: reconcile_every must be positive")));
+            }
+            crate::contract::check_claims(task).map_err(|e| invalid(format!("task {name}: {e}")))?;
             if task.clock_tolerance() > task.overlap {
                 return Err(invalid(format!(
                     "task {name}: clock_tolerance must not exceed overlap, or a clock step back within tolerance could skip rows"
@@ -398,6 +478,58 @@ cursor_column = "updated_at"
         assert!(err.contains("remove cursor_column"), "{err}");
         let err = parse("clock_tolerance = \"1m\"").unwrap_err().to_string();
         assert!(err.contains("clock_tolerance must not exceed overlap"), "{err}");
+    }
+
+    #[test]
+    fn delete_policies_and_contract_claims() {
+        let with = |lines: &str| {
+            MINIMAL.replace(
+                "cursor_column = \"updated_at\"",
+                &format!("cursor_column = \"updated_at\"\n{lines}"),
+            )
+        };
+        let parse = |lines: &str| Config::parse(&with(lines), "t.toml", env);
+        let task =
+            &parse("delete_policy = { kind = \"tombstone_table\", retention = \"2d\" }\ntarget_deletes = \"soft\"")
+                .unwrap()
+                .tasks[0];
+        assert_eq!(
+            task.delete_policy,
+            Some(DeletePolicy::TombstoneTable {
+                retention: Duration::from_secs(2 * 86_400)
+            })
+        );
+        assert_eq!(task.target_deletes, TargetDeletes::Soft);
+        let contract = crate::contract::derive(task);
+        assert!(
+            contract.coverage.deletes && contract.retention.starts_with("2d"),
+            "{contract:?}"
+        );
+
+        // Claiming deletes without a delete policy names the clause.
+        let err = parse("contract = { coverage = [\"inserts\", \"updates\", \"deletes\"] }")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("contract clause coverage claims deletes"), "{err}");
+        assert!(parse("delete_policy = { kind = \"reconcile\" }\ncontract = { coverage = [\"deletes\"] }").is_ok());
+        let err = parse(
+            "delete_policy = { kind = \"tombstone_table\", retention = \"1d\" }\ncontract = { retention = \"7d\" }",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("contract clause retention claims 7d"), "{err}");
+        let err = parse("contract = { consistency = \"table\" }").unwrap_err().to_string();
+        assert!(err.contains("contract clause consistency"), "{err}");
+        let err = parse("delete_policy = { kind = \"tombstone_table\" }\nversion = { column = \"v\" }")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("contract clause coverage"), "{err}");
+        let err = parse("delete_policy = { kind = \"erase\" }").unwrap_err().to_string();
+        assert!(err.contains("erase"), "{err}");
+        let err = parse("delete_policy = { kind = \"tombstone_table\", retention = \"5s\" }")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("retention must exceed"), "{err}");
     }
 
     #[test]

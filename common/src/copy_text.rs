@@ -67,6 +67,23 @@ pub fn decode_field(raw: &[u8]) -> Result<Option<String>, String> {
         .map_err(|_| "COPY field is not valid UTF-8".into())
 }
 
+/// Encodes one field for a COPY text stream: backslash, tab, newline and carriage return
+/// escaped (the inverse of [`decode_field`] for text).
+pub fn encode_field(text: &str, out: &mut Vec<u8>) {
+    for byte in text.bytes() {
+        match byte {
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            other => out.push(other),
+        }
+    }
+}
+
+/// The NULL marker of a COPY text stream.
+pub const NULL_FIELD: &[u8] = b"\\N";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,5 +97,14 @@ mod tests {
         assert_eq!(decode_field(raw_field(all[0], 2).unwrap()).unwrap(), None);
         assert_eq!(decode_field(raw_field(all[1], 1).unwrap()).unwrap().unwrap(), "x\ny");
         assert_eq!(decode_field(raw_field(all[1], 2).unwrap()).unwrap().unwrap(), "A");
+    }
+
+    #[test]
+    fn encode_round_trips() {
+        let text = "a\tb\\c\nd\re";
+        let mut out = Vec::new();
+        encode_field(text, &mut out);
+        assert!(!out.contains(&b'\t') && !out.contains(&b'\n'));
+        assert_eq!(decode_field(&out).unwrap().unwrap(), text);
     }
 }

@@ -31,6 +31,17 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 /// Serde adapter for `Duration` fields written as human durations.
+/// The shortest exact form: `7d`, `90s`, `1500ms`.
+pub fn format_duration(duration: Duration) -> String {
+    let millis = duration.as_millis();
+    for (unit, size) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+        if millis >= size && millis.is_multiple_of(size) {
+            return format!("{}{unit}", millis / size);
+        }
+    }
+    format!("{millis}ms")
+}
+
 pub mod serde_human {
     use serde::{Deserialize, Deserializer};
     use std::time::Duration;

@@ -4,6 +4,7 @@
 
 pub mod batch;
 pub mod config;
+pub mod contract;
 pub mod copy_text;
 pub mod crash;
 pub mod cursor;

@@ -7,6 +7,11 @@
 
 use crate::cursor::{KeyValue, ShardRange};
 
+pub mod deletes;
+pub mod reconcile;
+
+pub use deletes::{DeleteSource, DeleteSql};
+
 /// The column that carries each row's source version in the target table.
 pub const VERSION_COLUMN: &str = "_tidemark_version";
 /// The target-side ledger of applied batches.
@@ -14,6 +19,12 @@ pub const LEDGER_TABLE: &str = "tidemark_ledger";
 /// A staged row's cursor time in microseconds: the last field of the staged layout (when the
 /// task has a cursor column); it exists only in the session's stage table.
 pub const CURSOR_MICROS_COLUMN: &str = "_tidemark_cursor_micros";
+/// A staged row's delete flag: the last field of the staged layout of a task with a delete
+/// policy. In the target it is the soft-delete column (`target_deletes = "soft"`).
+pub const DELETED_COLUMN: &str = "_tidemark_deleted";
+/// In a reconciliation's repair batch, the target version the comparison saw for the row's
+/// key (NULL: absent). A repair replaces that exact version even when the source's is lower.
+pub const EXPECTED_COLUMN: &str = "_tidemark_expected";
 
 pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
@@ -101,6 +112,8 @@ pub struct TableSql {
     /// The integer column holding each row's source version; `None` means the cursor time
     /// in microseconds (the default, and the weakest version).
     pub version_column: Option<String>,
+    /// How deletions are read and applied; `None`: the task does not capture them.
+    pub deletes: Option<DeleteSql>,
 }
 
 impl TableSql {
@@ -144,6 +157,9 @@ impl TableSql {
         if self.cursor_column.is_some() {
             list.push(self.cursor_micros(""));
         }
+        if let Some(deletes) = &self.deletes {
+            list.push(deletes.row_flag(&self.columns));
+        }
         list.join(", ")
     }
 
@@ -153,6 +169,9 @@ impl TableSql {
         let mut names = self.target_columns();
         if self.cursor_column.is_some() {
             names.push(quote_ident(CURSOR_MICROS_COLUMN));
+        }
+        if self.deletes.is_some() {
+            names.push(quote_ident(DELETED_COLUMN));
         }
         names
     }
@@ -238,23 +257,48 @@ impl TableSql {
         high_micros: i64,
         limit: u32,
     ) -> String {
+        self.incremental_page_upto(range, t_micros, after_key, high_micros, None, limit)
+    }
+
+    /// An incremental page that also stops at `(t, key)` inclusive (where a full page of the
+    /// delete log ended).
+    pub fn incremental_page_upto(
+        &self,
+        range: &ShardRange,
+        t_micros: i64,
+        after_key: Option<&[KeyValue]>,
+        high_micros: i64,
+        upto: Option<(i64, &[KeyValue])>,
+        limit: u32,
+    ) -> String {
         let cursor_type = self.cursor_type();
         let cursor = self.cursor();
         let mut conditions = self.range_condition(range);
-        let t = time_literal(t_micros, cursor_type);
+        conditions.push(self.position_after(&cursor, time_literal(t_micros, cursor_type), after_key));
+        conditions.push(format!("{cursor} < {}", time_literal(high_micros, cursor_type)));
+        if let Some((t, key)) = upto {
+            let mut columns = vec![cursor.clone()];
+            columns.extend(self.key_columns.iter().map(|c| quote_ident(c)));
+            let mut values = vec![time_literal(t, cursor_type)];
+            values.extend(key.iter().map(key_literal));
+            conditions.push(format!("({}) <= ({})", columns.join(", "), values.join(", ")));
+        }
+        let order = format!("{cursor}, {}", self.key_order());
+        self.copy_out(&conditions, &order, limit)
+    }
+
+    /// `time >= t` without a key, `(time, k1..kn) > (t, key)` with one.
+    fn position_after(&self, time_column: &str, t: String, after_key: Option<&[KeyValue]>) -> String {
         match after_key {
-            None => conditions.push(format!("{cursor} >= {t}")),
+            None => format!("{time_column} >= {t}"),
             Some(after) => {
-                let mut columns = vec![cursor.clone()];
+                let mut columns = vec![time_column.to_string()];
                 columns.extend(self.key_columns.iter().map(|c| quote_ident(c)));
                 let mut values = vec![t];
                 values.extend(after.iter().map(key_literal));
-                conditions.push(format!("({}) > ({})", columns.join(", "), values.join(", ")));
+                format!("({}) > ({})", columns.join(", "), values.join(", "))
             }
         }
-        conditions.push(format!("{cursor} < {}", time_literal(high_micros, cursor_type)));
-        let order = format!("{cursor}, {}", self.key_order());
-        self.copy_out(&conditions, &order, limit)
     }
 
     fn copy_out(&self, conditions: &[String], order: &str, limit: u32) -> String {
@@ -282,7 +326,12 @@ impl TableSql {
         let version = quote_ident(VERSION_COLUMN);
         format!(
             "SELECT {high_micros} - {s_micros} FROM {stage} s LEFT JOIN {target} t ON {on} \
-             WHERE {s_micros} < {floor_micros} AND (t.{version} IS NULL OR t.{version} < s.{version})",
+             WHERE {s_micros} < {floor_micros} AND (t.{version} IS NULL OR t.{version} < s.{version}){live}",
+            live = if self.deletes.is_some() {
+                format!(" AND NOT s.{}", quote_ident(DELETED_COLUMN))
+            } else {
+                String::new()
+            },
             s_micros = format!("s.{}", quote_ident(CURSOR_MICROS_COLUMN)),
             stage = self.stage_table(),
             target = self.target.quoted(),
@@ -333,41 +382,109 @@ impl TableSql {
         quote_ident(&format!("tidemark_stage_{}", self.target.name))
     }
 
+    /// The stage table has the target's columns without their constraints (a tombstone
+    /// carries only its key), plus the cursor time, the delete flag and the expected version.
     pub fn create_stage_table(&self) -> String {
-        let extra = if self.cursor_column.is_some() {
-            format!(", {} bigint", quote_ident(CURSOR_MICROS_COLUMN))
-        } else {
-            String::new()
-        };
         format!(
-            "CREATE TEMP TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS{extra}) ON COMMIT DELETE ROWS",
+            "CREATE TEMP TABLE IF NOT EXISTS {} ON COMMIT DELETE ROWS AS SELECT {}, NULL::bigint AS {}, \
+             false AS {}, NULL::bigint AS {} FROM {} WITH NO DATA",
             self.stage_table(),
+            self.target_columns().join(", "),
+            quote_ident(CURSOR_MICROS_COLUMN),
+            quote_ident(DELETED_COLUMN),
+            quote_ident(EXPECTED_COLUMN),
             self.target.quoted()
         )
     }
 
-    pub fn copy_into_stage(&self) -> String {
-        format!(
-            "COPY {} ({}) FROM STDIN",
-            self.stage_table(),
-            self.staged_columns().join(", ")
-        )
+    /// `COPY stage (…) FROM STDIN` for the staged layout (plus the expected version in a
+    /// repair batch).
+    pub fn copy_into_stage(&self, repair: bool) -> String {
+        let mut columns = self.staged_columns();
+        if repair {
+            columns.push(quote_ident(EXPECTED_COLUMN));
+        }
+        format!("COPY {} ({}) FROM STDIN", self.stage_table(), columns.join(", "))
     }
 
-    /// The versioned upsert: an older source version never overwrites a newer one.
+    /// `t.k1 = s.k1 AND …` between two aliases.
+    fn keys_equal(&self, left: &str, right: &str) -> String {
+        self.key_columns
+            .iter()
+            .map(|k| format!("{left}.{k} = {right}.{k}", k = quote_ident(k)))
+            .collect::<Vec<_>>()
+            .join(" AND ")
+    }
+
+    /// The statements that apply a staged batch, in order, inside its one transaction:
+    /// (repair) replace rows whose target version the comparison saw, (deletes) record
+    /// tombstones and delete or flag the rows they cover, then the versioned upsert.
+    pub fn apply_statements(&self, repair: bool) -> Vec<String> {
+        let target = self.target.quoted();
+        let stage = self.stage_table();
+        let version = quote_ident(VERSION_COLUMN);
+        let mut statements = Vec::new();
+        if repair {
+            // The source is authoritative: a row the comparison saw at a version the source no
+            // longer has (e.g. a backdated update) is replaced, but only if it is still the
+            // row the comparison saw (a newer change applied meanwhile stays).
+            statements.push(format!(
+                "DELETE FROM {target} t USING {stage} s WHERE {on} AND s.{expected} IS NOT NULL \
+                 AND t.{version} = s.{expected} AND t.{version} > s.{version}",
+                on = self.keys_equal("t", "s"),
+                expected = quote_ident(EXPECTED_COLUMN),
+            ));
+        }
+        if let Some(deletes) = &self.deletes {
+            if repair {
+                // The source has these rows live now: a kept tombstone no newer than the row
+                // (e.g. a tie of cursor times) must not keep them out.
+                statements.push(format!(
+                    "DELETE FROM {tombs} d USING {stage} s WHERE {on} AND NOT s.{deleted} AND d.{version} <= s.{version}",
+                    tombs = deletes.tombstones.quoted(),
+                    on = self.keys_equal("d", "s"),
+                    deleted = quote_ident(DELETED_COLUMN),
+                ));
+            }
+            statements.extend(deletes.apply_tombstones(self));
+        }
+        statements.push(self.upsert_from_stage());
+        statements
+    }
+
+    /// The versioned upsert: an older source version never overwrites a newer one, and a
+    /// kept tombstone blocks every version up to its own.
     pub fn upsert_from_stage(&self) -> String {
-        let columns = self.target_columns();
+        let mut columns = self.target_columns();
+        let mut values: Vec<String> = columns.iter().map(|c| format!("s.{c}")).collect();
+        let mut conditions = Vec::new();
+        if let Some(deletes) = &self.deletes {
+            if deletes.target_soft {
+                columns.push(quote_ident(DELETED_COLUMN));
+                values.push(format!("s.{}", quote_ident(DELETED_COLUMN)));
+            }
+            if !deletes.upserts_tombstone_rows() {
+                conditions.push(format!("NOT s.{}", quote_ident(DELETED_COLUMN)));
+            }
+            conditions.push(deletes.not_blocked_by_tombstone(self, "s"));
+        }
         let updates: Vec<String> = columns
             .iter()
             .filter(|c| !self.key_columns.iter().any(|k| quote_ident(k) == **c))
             .map(|c| format!("{c} = EXCLUDED.{c}"))
             .collect();
         let version = quote_ident(VERSION_COLUMN);
+        let where_clause = if conditions.is_empty() {
+            String::new()
+        } else {
+            format!(" WHERE {}", conditions.join(" AND "))
+        };
         format!(
-            "INSERT INTO {target} AS t ({cols}) SELECT {cols} FROM {stage} \
+            "INSERT INTO {target} AS t ({cols}) SELECT {values} FROM {stage} s{where_clause} \
              ON CONFLICT ({keys}) DO UPDATE SET {updates} WHERE t.{version} <= EXCLUDED.{version}",
             target = self.target.quoted(),
             cols = columns.join(", "),
+            values = values.join(", "),
             stage = self.stage_table(),
             keys = self.key_order(),
             updates = updates.join(", "),
@@ -462,6 +579,7 @@ mod tests {
             key_columns: vec!["id".into()],
             cursor_column: Some("updated_at".into()),
             version_column: None,
+            deletes: None,
         }
     }
 

@@ -222,6 +222,56 @@ impl ControlDb {
         .bind(cursor_json(&plan.incremental_start))
         .execute(&mut *tx)
         .await?;
+        Self::insert_shards(&mut tx, plan).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Makes a freshly planned epoch the task's current one (`tasks reinit`): its shards
+    /// start their snapshot, the old epoch's staged batches are abandoned (commits of its
+    /// shards are refused from now on), and the pause is cleared. Returns false when the
+    /// epoch already exists (another reinit won).
+    pub async fn switch_epoch(&self, plan: &EpochPlan) -> Result<bool, CoordinatorError> {
+        let mut tx = self.pool.begin().await?;
+        let current: i64 = sqlx::query_scalar("SELECT current_epoch FROM tasks WHERE name = $1 FOR UPDATE")
+            .bind(&plan.task)
+            .fetch_one(&mut *tx)
+            .await?;
+        if current as u64 >= plan.epoch {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(&plan.task)
+        .bind(plan.epoch as i64)
+        .bind(&plan.schema_id)
+        .bind(&plan.columns)
+        .bind(plan.h0_time_micros)
+        .bind(&plan.h0_max_key)
+        .bind(cursor_json(&plan.incremental_start))
+        .execute(&mut *tx)
+        .await?;
+        Self::insert_shards(&mut tx, plan).await?;
+        sqlx::query("UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch < $2 AND state = 'STAGED'")
+            .bind(&plan.task)
+            .bind(plan.epoch as i64)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "UPDATE tasks SET current_epoch = $2, paused_reason = NULL, max_source_clock_micros = NULL WHERE name = $1",
+        )
+        .bind(&plan.task)
+        .bind(plan.epoch as i64)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn insert_shards(tx: &mut sqlx::PgConnection, plan: &EpochPlan) -> Result<(), CoordinatorError> {
         let start = cursor_json(&Cursor::snapshot_start(plan.epoch));
         for (shard_id, range) in plan.ranges.iter().enumerate() {
             let range: serde_json::Value = serde_json::from_str(range).expect("encoded range is JSON");
@@ -237,8 +287,7 @@ impl ControlDb {
             .execute(&mut *tx)
             .await?;
         }
-        tx.commit().await?;
-        Ok(true)
+        Ok(())
     }
 
     /// Pauses a task: its shards can no longer be acquired and every register or commit is
@@ -401,13 +450,13 @@ impl ControlDb {
     }
 
     /// Locks the shard's checkpoint row and checks that `fence` is the current owner's.
-    async fn lock_checkpoint(
+    pub(crate) async fn lock_checkpoint(
         conn: &mut sqlx::PgConnection,
         shard: &ShardKey,
         fence: u64,
     ) -> Result<(Cursor, u64, Option<String>), CoordinatorError> {
         let row = sqlx::query(
-            "SELECT c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason FROM checkpoints c \
+            "SELECT c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason, t.current_epoch FROM checkpoints c \
              JOIN tasks t ON t.name = c.task \
              WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3 FOR UPDATE OF c",
         )
@@ -429,6 +478,14 @@ impl ControlDb {
                 shard: shard.shard_id,
                 current: current_fence,
                 given: fence,
+            });
+        }
+        let current_epoch = row.get::<i64, _>(5) as u64;
+        if current_epoch != shard.epoch {
+            return Err(CoordinatorError::EpochSuperseded {
+                task: shard.task.clone(),
+                epoch: shard.epoch,
+                current: current_epoch,
             });
         }
         if let Some(reason) = row.get::<Option<String>, _>(4) {

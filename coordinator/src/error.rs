@@ -19,6 +19,9 @@ pub enum CoordinatorError {
     Batch { batch_id: String, message: String },
     #[error("worker lease {lease_id} has expired; register again")]
     LeaseExpired { lease_id: i64 },
+    /// The shard belongs to an epoch that `tasks reinit` replaced.
+    #[error("epoch {epoch} of task {task} was replaced by epoch {current}")]
+    EpochSuperseded { task: String, epoch: u64, current: u64 },
     #[error("task {task} is paused: {reason}")]
     Paused { task: String, reason: String },
     #[error("unknown task {0}")]
@@ -60,9 +63,9 @@ impl From<CoordinatorError> for tonic::Status {
         let message = error.to_string();
         match error {
             // FAILED_PRECONDITION tells the worker to drop the shard; the checkpoint did not move.
-            CoordinatorError::Fenced { .. } | CoordinatorError::Paused { .. } => {
-                tonic::Status::failed_precondition(message)
-            }
+            CoordinatorError::Fenced { .. }
+            | CoordinatorError::Paused { .. }
+            | CoordinatorError::EpochSuperseded { .. } => tonic::Status::failed_precondition(message),
             CoordinatorError::CheckpointConflict { .. } | CoordinatorError::Batch { .. } => {
                 tonic::Status::aborted(message)
             }

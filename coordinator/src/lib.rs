@@ -6,6 +6,8 @@ pub mod error;
 pub mod janitor;
 pub mod leases;
 pub mod planner;
+pub mod reconcile_runs;
 pub mod service;
+pub mod source_install;
 pub mod status;
 pub mod watcher;

@@ -10,7 +10,7 @@ use tidemark_common::redact::redact_url;
 use tidemark_coordinator::checkpoints::ControlDb;
 use tidemark_coordinator::error::CoordinatorError;
 use tidemark_coordinator::leases::Leases;
-use tidemark_coordinator::planner::{install_trigger_version, prepare_task};
+use tidemark_coordinator::planner::prepare_task;
 use tidemark_coordinator::service::{Coordinator, CoordinatorService};
 use tidemark_coordinator::status;
 use tidemark_coordinator::watcher::watch_source;
@@ -54,6 +54,25 @@ enum Command {
         #[command(subcommand)]
         action: SourceAction,
     },
+    /// Compare source and target per key range (hashes of key and version computed inside each
+    /// database) and repair what differs through the batch protocol; waits for the result.
+    Reconcile {
+        #[arg(long)]
+        task: String,
+        /// Only rows whose cursor time lies within this window of now (e.g. `2h`).
+        #[arg(long, conflicts_with = "full")]
+        since: Option<String>,
+        /// The whole table (the default).
+        #[arg(long)]
+        full: bool,
+        /// Return once the run is started instead of waiting for it.
+        #[arg(long)]
+        no_wait: bool,
+        #[arg(long, env = "TIDEMARK_COORDINATOR")]
+        coordinator: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -72,11 +91,20 @@ enum TaskAction {
         #[arg(long, env = "TIDEMARK_COORDINATOR")]
         coordinator: String,
     },
+    /// Start a fresh baseline (a new epoch: full snapshot, then a full reconciliation) for a
+    /// task that needs reinitialization.
+    Reinit {
+        task: String,
+        #[arg(long, env = "TIDEMARK_COORDINATOR")]
+        coordinator: String,
+    },
 }
 
 #[derive(Subcommand)]
 enum SourceAction {
-    /// Add the trigger-maintained `tidemark_row_version` column (for `version = "trigger"`).
+    /// Install what the task's configuration needs on its source: the trigger-maintained
+    /// `tidemark_row_version` column (`version = "trigger"`) and the trigger-fed delete log
+    /// (`delete_policy = { kind = "tombstone_table" }`).
     Install {
         #[arg(long)]
         task: String,
@@ -103,9 +131,19 @@ fn main() -> ExitCode {
                     .iter()
                     .find(|t| t.name == task)
                     .ok_or_else(|| anyhow::anyhow!("no task named {task:?} in the config"))?;
-                println!("{}", install_trigger_version(task).await?);
+                for line in tidemark_coordinator::source_install::install(task).await? {
+                    println!("{line}");
+                }
                 Ok(())
             }
+            Command::Reconcile {
+                task,
+                since,
+                full: _,
+                no_wait,
+                coordinator,
+                json,
+            } => reconcile(coordinator, task, since, no_wait, json).await,
         }
     });
     match result {
@@ -207,7 +245,66 @@ async fn shutdown_signal() {
     tracing::info!("shutdown requested");
 }
 
+async fn admin_client(coordinator: &str) -> anyhow::Result<AdminServiceClient<tonic::transport::Channel>> {
+    AdminServiceClient::connect(coordinator.to_string())
+        .await
+        .with_context(|| format!("cannot reach coordinator {coordinator}"))
+}
+
+async fn reconcile(
+    coordinator: String,
+    task: String,
+    since: Option<String>,
+    no_wait: bool,
+    json: bool,
+) -> anyhow::Result<()> {
+    let window_ms = since
+        .map(|text| tidemark_common::duration::parse_duration(&text).map(|d| d.as_millis() as u64))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+    let mut client = admin_client(&coordinator).await?;
+    let status_error = |s: tonic::Status| anyhow::anyhow!("{}", s.message());
+    let mut run = client
+        .reconcile(tidemark_proto::v1::ReconcileRequest { task, window_ms })
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    if !json {
+        eprintln!("reconciliation run {} started", run.run_id);
+    }
+    while !no_wait && !run.finished {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        run = client
+            .reconcile_status(tidemark_proto::v1::ReconcileStatusRequest { run_id: run.run_id })
+            .await
+            .map_err(status_error)?
+            .into_inner();
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&status::reconcile_json(&run))?);
+    } else {
+        println!("{}", status::reconcile_line(&run));
+    }
+    Ok(())
+}
+
 async fn task_action(action: TaskAction) -> anyhow::Result<()> {
+    if let TaskAction::Reinit { task, coordinator } = action {
+        let response = admin_client(&coordinator)
+            .await?
+            .reinit_task(tidemark_proto::v1::TaskRequest {
+                task: task.clone(),
+                reason: String::new(),
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{}", s.message()))?
+            .into_inner();
+        println!(
+            "task {task} reinitialized: epoch {} snapshots the table again; reconciliation run {} removes keys deleted meanwhile",
+            response.epoch, response.reconcile_run_id
+        );
+        return Ok(());
+    }
     let (coordinator, request, resume) = match action {
         TaskAction::Pause {
             task,
@@ -222,6 +319,7 @@ async fn task_action(action: TaskAction) -> anyhow::Result<()> {
             },
             true,
         ),
+        TaskAction::Reinit { .. } => unreachable!("handled above"),
     };
     let mut client = AdminServiceClient::connect(coordinator.clone())
         .await

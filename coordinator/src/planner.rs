@@ -9,11 +9,14 @@ use backon::{ExponentialBuilder, Retryable};
 use sha2::{Digest, Sha256};
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use tidemark_common::config::{TRIGGER_VERSION_COLUMN, TaskConfig, TaskMode, VersionConfig};
+use tidemark_common::config::{
+    DeletePolicy, TRIGGER_VERSION_COLUMN, TargetDeletes, TaskConfig, TaskMode, VersionConfig,
+};
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, plan_ranges};
+use tidemark_common::pg::deletes::delete_log_table;
 use tidemark_common::pg::{
-    self, Column, OLDEST_OPEN_TRANSACTION, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient,
-    quote_ident,
+    self, Column, DeleteSql, OLDEST_OPEN_TRANSACTION, TableName, TableSql, VERSION_COLUMN, connect_options,
+    is_transient, quote_ident,
 };
 use tidemark_common::redact::redact_url;
 
@@ -57,12 +60,12 @@ pub async fn connect_database(task: &str, role: &str, url: &str) -> Result<PgPoo
         .map_err(|e| CoordinatorError::task_setup(task, format!("cannot connect to {role} {}: {e}", redact_url(url))))
 }
 
-struct SourceColumn {
-    column: Column,
-    not_null: bool,
+pub(crate) struct SourceColumn {
+    pub(crate) column: Column,
+    pub(crate) not_null: bool,
 }
 
-async fn introspect(
+pub(crate) async fn introspect(
     pool: &PgPool,
     task: &str,
     role: &str,
@@ -161,6 +164,13 @@ fn validate_columns(
         }
     }
     let first_key_type = &find(&config.key[0]).expect("checked above").column.sql_type;
+    if let Some(DeletePolicy::Soft { column }) = &config.delete_policy
+        && find(column).is_none()
+    {
+        return Err(setup(format!(
+            "delete_policy soft: column {column:?} does not exist in {source_table}"
+        )));
+    }
     if columns.iter().any(|c| c.column.name == VERSION_COLUMN) {
         return Err(setup(format!(
             "source table {source_table} has a column named {VERSION_COLUMN}, which Tidemark reserves"
@@ -222,46 +232,101 @@ fn validate_columns(
     }
 }
 
+/// The source table as a task sees it: columns, version column and schema id.
+struct SourceInfo {
+    pool: PgPool,
+    table: TableName,
+    columns: Vec<SourceColumn>,
+    version_column: Option<String>,
+    schema_id: String,
+    first_key_type: String,
+}
+
+/// Connects to the source and checks the task's contract against its table.
+async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let pool = connect_database(task, "source", &config.source).await?;
+    let columns = introspect(&pool, task, "source", &table)
+        .await?
+        .ok_or_else(|| setup(format!("source table {table} does not exist")))?;
+    let version_column = validate_columns(config, &table, &columns)?;
+    if !key_is_unique(&pool, &table, &config.key).await? {
+        return Err(setup(format!(
+            "key ({}) of {table} is not unique: no unique index or primary key covers exactly these columns",
+            config.key.join(", ")
+        )));
+    }
+    if let Some(DeletePolicy::TombstoneTable { .. }) = &config.delete_policy {
+        let log = delete_log_table(&table);
+        let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+            .bind(log.quoted())
+            .fetch_one(&pool)
+            .await
+            .map_err(|e| setup(format!("source table {log}: {e}")))?;
+        if exists.is_none() {
+            return Err(setup(format!(
+                "delete_policy tombstone_table: the delete log {log} does not exist; run                  `tidemark-coordinator source install --task {task}` first"
+            )));
+        }
+    }
+    let plain: Vec<Column> = columns.iter().map(|c| c.column.clone()).collect();
+    let schema_id = schema_id(&plain);
+    let first_key_type = columns
+        .iter()
+        .find(|c| c.column.name == config.key[0])
+        .map(|c| c.column.sql_type.clone())
+        .expect("validated");
+    Ok(SourceInfo {
+        pool,
+        table,
+        columns,
+        version_column,
+        schema_id,
+        first_key_type,
+    })
+}
+
+/// How the task's deletes are read and applied, from its configuration.
+pub fn delete_sql(config: &TaskConfig) -> Result<Option<DeleteSql>, CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+    let source = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let target = TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?;
+    let (kind, column) = delete_spec(config);
+    DeleteSql::from_spec(
+        kind,
+        column,
+        config.target_deletes == TargetDeletes::Soft,
+        &source,
+        &target,
+    )
+    .map_err(setup)
+}
+
+/// The delete source as `TaskSpec` carries it: kind and soft-delete column.
+pub fn delete_spec(config: &TaskConfig) -> (&'static str, &str) {
+    match &config.delete_policy {
+        None => ("", ""),
+        Some(DeletePolicy::Soft { column }) => ("flag", column.as_str()),
+        Some(DeletePolicy::TombstoneTable { .. }) => ("log", ""),
+        Some(DeletePolicy::Reconcile {}) => ("reconcile", ""),
+    }
+}
+
 /// Validates the source and target, plans the first epoch if the task has none, and returns
 /// the task as served.
 pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<PreparedTask, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    let source_table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
     let target_table = TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?;
-
-    let source = connect_database(task, "source", &config.source).await?;
-    let source_columns = introspect(&source, task, "source", &source_table)
-        .await?
-        .ok_or_else(|| setup(format!("source table {source_table} does not exist")))?;
-    let version_column = validate_columns(config, &source_table, &source_columns)?;
-    if !key_is_unique(&source, &source_table, &config.key).await? {
-        return Err(setup(format!(
-            "key ({}) of {source_table} is not unique: no unique index or primary key covers exactly these columns",
-            config.key.join(", ")
-        )));
-    }
-    let columns: Vec<Column> = source_columns.iter().map(|c| c.column.clone()).collect();
-    let not_null: Vec<bool> = source_columns.iter().map(|c| c.not_null).collect();
-    let current_schema_id = schema_id(&columns);
-    let first_key_type = source_columns
-        .iter()
-        .find(|c| c.column.name == config.key[0])
-        .map(|c| c.column.sql_type.clone())
-        .expect("validated");
+    let source = inspect_source(config).await?;
+    let not_null: Vec<bool> = source.columns.iter().map(|c| c.not_null).collect();
 
     let epoch = match control.current_epoch(task).await? {
         Some(epoch) => epoch,
         None => {
-            let plan = plan_epoch(
-                &source,
-                config,
-                &source_table,
-                &first_key_type,
-                &columns,
-                &current_schema_id,
-            )
-            .await?;
+            let plan = plan_epoch(&source, config, 1).await?;
             if control.create_epoch(&plan).await? {
                 tracing::info!(task, epoch = plan.epoch, shards = plan.ranges.len(), schema_id = %plan.schema_id, "planned epoch");
             }
@@ -271,30 +336,26 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
                 .ok_or_else(|| setup("epoch vanished after planning".into()))?
         }
     };
-    source.close().await;
+    source.pool.close().await;
 
-    if epoch.schema_id != current_schema_id {
+    if epoch.schema_id != source.schema_id {
         let reason = format!(
-            "schema changed: source columns of {source_table} no longer match epoch {} ({} != {}); reinitialization required",
-            epoch.epoch, current_schema_id, epoch.schema_id
+            "schema changed: source columns of {} no longer match epoch {} ({} != {}); reinitialization required",
+            source.table, epoch.epoch, source.schema_id, epoch.schema_id
         );
         tracing::error!(task, %reason, "pausing task");
         control.pause_task(task, &reason).await?;
     }
-    let frozen_columns: Vec<Column> = serde_json::from_value::<Vec<(String, String)>>(epoch.columns.clone())
-        .map_err(|e| setup(format!("stored epoch columns: {e}")))?
-        .into_iter()
-        .map(|(name, sql_type)| Column { name, sql_type })
-        .collect();
-
+    let frozen_columns = epoch_columns(task, &epoch)?;
     let target = connect_database(task, "target", &config.target).await?;
     let sql = TableSql {
-        source: source_table,
+        source: source.table,
         target: target_table.clone(),
         columns: frozen_columns.clone(),
         key_columns: config.key.clone(),
         cursor_column: config.cursor_column.clone(),
-        version_column: version_column.clone(),
+        version_column: source.version_column.clone(),
+        deletes: delete_sql(config)?,
     };
     ensure_target(&target, task, &sql, &not_null).await?;
     target.close().await;
@@ -303,8 +364,58 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         config: config.clone(),
         epoch,
         columns: frozen_columns,
-        version_column,
+        version_column: source.version_column,
     })
+}
+
+/// The columns an epoch froze.
+pub fn epoch_columns(task: &str, epoch: &EpochRecord) -> Result<Vec<Column>, CoordinatorError> {
+    Ok(serde_json::from_value::<Vec<(String, String)>>(epoch.columns.clone())
+        .map_err(|e| CoordinatorError::task_setup(task, format!("stored epoch columns: {e}")))?
+        .into_iter()
+        .map(|(name, sql_type)| Column { name, sql_type })
+        .collect())
+}
+
+/// `tasks reinit`: plans the next epoch from the source as it is now (a fresh snapshot, start
+/// bound H0 read now), checks the target against it, and switches the task to it. Returns
+/// the new epoch.
+pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<u64, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let current = control
+        .current_epoch(task)
+        .await?
+        .ok_or_else(|| setup("the task has no epoch yet; start the coordinator first".into()))?;
+    let source = inspect_source(config).await?;
+    let not_null: Vec<bool> = source.columns.iter().map(|c| c.not_null).collect();
+    let plan = plan_epoch(&source, config, current.epoch + 1).await?;
+    source.pool.close().await;
+    let target = connect_database(task, "target", &config.target).await?;
+    let sql = TableSql {
+        source: source.table,
+        target: TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?,
+        columns: source.columns.iter().map(|c| c.column.clone()).collect(),
+        key_columns: config.key.clone(),
+        cursor_column: config.cursor_column.clone(),
+        version_column: source.version_column,
+        deletes: delete_sql(config)?,
+    };
+    ensure_target(&target, task, &sql, &not_null).await?;
+    target.close().await;
+    if !control.switch_epoch(&plan).await? {
+        return Err(setup(format!(
+            "epoch {} already exists: another reinitialization won",
+            plan.epoch
+        )));
+    }
+    tracing::warn!(
+        task,
+        epoch = plan.epoch,
+        shards = plan.ranges.len(),
+        "task reinitialized: new epoch planned"
+    );
+    Ok(plan.epoch)
 }
 
 /// H0's time: the source clock, held below the start of the oldest open transaction when the
@@ -320,14 +431,12 @@ async fn start_time_micros(source: &PgPool, config: &TaskConfig, cursor_unit_mic
     Ok(oldest.map_or(now, |o| (o - cursor_unit_micros).min(now)))
 }
 
-async fn plan_epoch(
-    source: &PgPool,
-    config: &TaskConfig,
-    table: &TableName,
-    first_key_type: &str,
-    columns: &[Column],
-    schema_id: &str,
-) -> Result<EpochPlan, CoordinatorError> {
+async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -> Result<EpochPlan, CoordinatorError> {
+    let source = &source_info.pool;
+    let table = &source_info.table;
+    let first_key_type = source_info.first_key_type.as_str();
+    let columns: Vec<Column> = source_info.columns.iter().map(|c| c.column.clone()).collect();
+    let schema_id = source_info.schema_id.as_str();
     let reading = |e: sqlx::Error| {
         CoordinatorError::task_setup(&config.name, format!("reading the start bound from {table}: {e}"))
     };
@@ -403,7 +512,6 @@ async fn plan_epoch(
             h0_max,
         )
     };
-    let epoch = 1;
     let columns_json = serde_json::to_value(
         columns
             .iter()
@@ -458,63 +566,17 @@ async fn ensure_target(target: &PgPool, task: &str, sql: &TableSql, not_null: &[
             }
         }
     }
+    if let Some(deletes) = &sql.deletes {
+        let mut statements = vec![deletes.create_tombstone_table(sql)];
+        if deletes.target_soft {
+            statements.push(DeleteSql::add_soft_delete_column(sql));
+        }
+        for statement in statements {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(target)
+                .await
+                .map_err(|e| setup(format!("preparing deletes in the target {}: {e}", sql.target)))?;
+        }
+    }
     Ok(())
-}
-
-/// `tidemark-coordinator source install --task T`: adds `tidemark_row_version` to the
-/// source table, fed by a global sequence on every insert and update, so that versions are
-/// monotone per key whatever the clocks do and across delete/re-insert. Existing rows get a
-/// version in one UPDATE (this rewrites the table: run it before the first sync, at a quiet
-/// time). Idempotent.
-pub async fn install_trigger_version(config: &TaskConfig) -> Result<String, CoordinatorError> {
-    let task = config.name.as_str();
-    let setup = |message: String| CoordinatorError::task_setup(task, message);
-    let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
-    let source = connect_database(task, "source", &config.source).await?;
-    let columns = introspect(&source, task, "source", &table)
-        .await?
-        .ok_or_else(|| setup(format!("source table {table} does not exist")))?;
-    let column = quote_ident(TRIGGER_VERSION_COLUMN);
-    let sequence = quote_ident(&format!("{}_{}_version_seq", table.name, "tidemark"));
-    let qualified_sequence = format!("{}.{}", quote_ident(&table.schema), sequence);
-    let function = format!(
-        "{}.{}",
-        quote_ident(&table.schema),
-        quote_ident(&format!("tidemark_version_{}", table.name))
-    );
-    let trigger = quote_ident(&format!("tidemark_version_{}", table.name));
-    let has_column = columns.iter().any(|c| c.column.name == TRIGGER_VERSION_COLUMN);
-    let mut statements = vec![format!("CREATE SEQUENCE IF NOT EXISTS {qualified_sequence}")];
-    if !has_column {
-        statements.push(format!("ALTER TABLE {} ADD COLUMN {column} bigint", table.quoted()));
-        statements.push(format!(
-            "UPDATE {} SET {column} = nextval('{qualified_sequence}')",
-            table.quoted()
-        ));
-        statements.push(format!(
-            "ALTER TABLE {} ALTER COLUMN {column} SET DEFAULT nextval('{qualified_sequence}'), ALTER COLUMN {column} SET NOT NULL",
-            table.quoted()
-        ));
-    }
-    statements.push(format!(
-        "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN NEW.{column} := nextval('{qualified_sequence}'); RETURN NEW; END $$"
-    ));
-    statements.push(format!("DROP TRIGGER IF EXISTS {trigger} ON {}", table.quoted()));
-    statements.push(format!(
-        "CREATE TRIGGER {trigger} BEFORE INSERT OR UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {function}()",
-        table.quoted()
-    ));
-    let mut tx = source.begin().await?;
-    for statement in &statements {
-        sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| setup(format!("installing the version trigger on {table}: {e}")))?;
-    }
-    tx.commit().await?;
-    source.close().await;
-    Ok(format!(
-        "task {task}: {table}.{TRIGGER_VERSION_COLUMN} is maintained by trigger {trigger} from sequence {qualified_sequence}"
-    ))
 }

@@ -9,12 +9,16 @@ use tidemark_proto::v1::admin_service_server::AdminService;
 use tidemark_proto::v1::worker_service_server::WorkerService;
 use tonic::{Request, Response, Status};
 
-use tidemark_common::config::TaskMode;
+use tidemark_common::config::{DeletePolicy, TargetDeletes, TaskMode};
+use tidemark_common::contract::{self, Contract};
 
-use crate::checkpoints::{CommitBatch, ControlDb, RegisterBatch, ShardKey, parse_request_cursor};
+use crate::checkpoints::ShardStatusRow;
+use crate::checkpoints::{CommitBatch, ControlDb, EpochRecord, RegisterBatch, ShardKey, parse_request_cursor};
 use crate::error::CoordinatorError;
 use crate::leases::Leases;
 use crate::planner::PreparedTask;
+use crate::planner::{delete_spec, epoch_columns, reinit_task};
+use crate::reconcile_runs::ShardReconcile;
 
 pub struct Coordinator {
     pub control: ControlDb,
@@ -42,9 +46,11 @@ impl CoordinatorService {
             .ok_or_else(|| CoordinatorError::UnknownTask(name.to_string()))
     }
 
-    fn task_spec(&self, task: &PreparedTask) -> pb::TaskSpec {
+    fn task_spec(&self, task: &PreparedTask, epoch: &EpochRecord) -> Result<pb::TaskSpec, CoordinatorError> {
         let config = &task.config;
-        pb::TaskSpec {
+        let (delete_source, delete_column) = delete_spec(config);
+        let columns = epoch_columns(&config.name, epoch)?;
+        Ok(pb::TaskSpec {
             name: config.name.clone(),
             source_url: config.source.clone(),
             source_table: config.source_table.clone(),
@@ -55,15 +61,14 @@ impl CoordinatorService {
             page_size: config.page_size,
             safety_delay_ms: config.safety_delay.as_millis() as u64,
             poll_interval_ms: config.poll_interval.as_millis() as u64,
-            columns: task
-                .columns
+            columns: columns
                 .iter()
                 .map(|c| pb::Column {
                     name: c.name.clone(),
                     sql_type: c.sql_type.clone(),
                 })
                 .collect(),
-            schema_id: task.epoch.schema_id.clone(),
+            schema_id: epoch.schema_id.clone(),
             staging_url: self.inner.staging_url.clone(),
             lease_ttl_ms: self.inner.leases.ttl().as_millis() as u64,
             mode: match config.mode {
@@ -73,7 +78,10 @@ impl CoordinatorService {
             version_column: task.version_column.clone().unwrap_or_default(),
             overlap_ms: config.overlap.as_millis() as u64,
             open_transaction_bound: config.open_transaction_bound,
-        }
+            delete_source: delete_source.to_string(),
+            delete_column: delete_column.to_string(),
+            target_soft_deletes: config.target_deletes == TargetDeletes::Soft,
+        })
     }
 
     async fn acquire(&self, worker_id: &str, lease_id: i64) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
@@ -122,12 +130,24 @@ impl CoordinatorService {
         };
         let pending = coordinator.control.pending_batch(shard, &record.cursor).await?;
         let task = self.task(&shard.task)?;
+        // The epoch as the control database has it now (`tasks reinit` may have replaced the
+        // one planned at start).
+        let epoch = coordinator
+            .control
+            .current_epoch(&shard.task)
+            .await?
+            .filter(|e| e.epoch == shard.epoch)
+            .ok_or_else(|| CoordinatorError::EpochSuperseded {
+                task: shard.task.clone(),
+                epoch: shard.epoch,
+                current: 0,
+            })?;
         tracing::info!(
             task = %shard.task, shard = shard.shard_id, worker = worker_id, fence,
             cursor = %record.cursor.describe(), pending = pending.is_some(), "shard acquired"
         );
         Ok(Some(pb::ShardAssignment {
-            task: Some(self.task_spec(task)),
+            task: Some(self.task_spec(task, &epoch)?),
             epoch: shard.epoch,
             shard_id: shard.shard_id,
             range: record.range,
@@ -142,13 +162,8 @@ impl CoordinatorService {
                 row_count: p.row_count,
                 content_hash: p.content_hash,
             }),
-            snapshot_max_key: task
-                .epoch
-                .h0_max_key
-                .as_ref()
-                .map(|v| v.to_string())
-                .unwrap_or_default(),
-            incremental_start: task.epoch.incremental_start.encode(),
+            snapshot_max_key: epoch.h0_max_key.as_ref().map(|v| v.to_string()).unwrap_or_default(),
+            incremental_start: epoch.incremental_start.encode(),
         }))
     }
 }
@@ -284,6 +299,41 @@ impl WorkerService for CoordinatorService {
         Ok(Response::new(pb::AbandonBatchResponse { new_version }))
     }
 
+    async fn next_shard_work(
+        &self,
+        request: Request<pb::ShardWorkRequest>,
+    ) -> Result<Response<pb::ShardWorkResponse>, Status> {
+        let request = request.into_inner();
+        let shard = shard_key(&request.task, request.epoch, request.shard_id);
+        let reconcile = self.inner.control.next_reconcile(&shard).await?;
+        Ok(Response::new(pb::ShardWorkResponse { reconcile }))
+    }
+
+    async fn report_reconcile(
+        &self,
+        request: Request<pb::ReportReconcileRequest>,
+    ) -> Result<Response<pb::ReportReconcileResponse>, Status> {
+        let request = request.into_inner();
+        let shard = shard_key(&request.task, request.epoch, request.shard_id);
+        let result = ShardReconcile {
+            ranges_compared: request.ranges_compared,
+            rows_read: request.rows_read,
+            keys_repaired: request.keys_repaired,
+            extra_in_target: request.extra_in_target,
+            duration_ms: request.duration_ms,
+        };
+        self.inner
+            .control
+            .report_reconcile(&shard, request.fence_token, request.run_id, &result)
+            .await?;
+        tracing::info!(
+            task = %shard.task, shard = shard.shard_id, run_id = request.run_id, ranges = result.ranges_compared,
+            rows_read = result.rows_read, repaired = result.keys_repaired, ms = result.duration_ms,
+            "shard reconciled"
+        );
+        Ok(Response::new(pb::ReportReconcileResponse {}))
+    }
+
     async fn release_shard(
         &self,
         request: Request<pb::ReleaseShardRequest>,
@@ -322,6 +372,11 @@ impl AdminService for CoordinatorService {
                     overlap.as_secs_f64()
                 ));
             }
+            let config = self.inner.tasks.get(&task.name).map(|t| &t.config);
+            if let Some(DeletePolicy::TombstoneTable { retention }) = config.and_then(|c| c.delete_policy.as_ref()) {
+                warnings.extend(retention_warning(&task.shards, *retention));
+            }
+            let last_reconcile = self.inner.control.last_reconcile(&task.name).await?;
             let snapshot_complete = task.shards.iter().all(|s| s.cursor.is_incremental());
             let watermark_micros = if snapshot_complete {
                 task.shards.iter().filter_map(|s| s.cursor.incremental_time()).min()
@@ -371,6 +426,8 @@ impl AdminService for CoordinatorService {
                 late_max_micros: lateness.max_micros,
                 warnings,
                 overlap_ms: overlap.as_millis() as u64,
+                contract: config.map(|c| contract_proto(&contract::derive(c))),
+                last_reconcile,
             });
         }
         Ok(Response::new(pb::StatusResponse { tasks }))
@@ -390,11 +447,93 @@ impl AdminService for CoordinatorService {
         Ok(Response::new(pb::TaskResponse {}))
     }
 
+    async fn reconcile(&self, request: Request<pb::ReconcileRequest>) -> Result<Response<pb::ReconcileRun>, Status> {
+        let request = request.into_inner();
+        self.task(&request.task)?;
+        let since_micros = request.window_ms.map(|ms| now_micros() - (ms as i64) * 1000);
+        let run_id = self
+            .inner
+            .control
+            .start_reconcile(&request.task, "operator", since_micros)
+            .await?;
+        tracing::info!(task = %request.task, run_id, ?since_micros, "reconciliation requested");
+        let run = self.inner.control.reconcile_run(run_id).await?;
+        run.map(Response::new)
+            .ok_or_else(|| Status::internal("reconciliation run vanished"))
+    }
+
+    async fn reconcile_status(
+        &self,
+        request: Request<pb::ReconcileStatusRequest>,
+    ) -> Result<Response<pb::ReconcileRun>, Status> {
+        let run_id = request.into_inner().run_id;
+        self.inner
+            .control
+            .reconcile_run(run_id)
+            .await?
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("no reconciliation run {run_id}")))
+    }
+
+    async fn reinit_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::ReinitResponse>, Status> {
+        let request = request.into_inner();
+        let task = self.task(&request.task)?;
+        let epoch = reinit_task(&self.inner.control, &task.config).await?;
+        // The new epoch snapshots every live row; keys deleted meanwhile are only found by
+        // comparing, so a full reconciliation follows each shard's snapshot.
+        let reconcile_run_id = self
+            .inner
+            .control
+            .start_reconcile(&request.task, "reinit", None)
+            .await?;
+        Ok(Response::new(pb::ReinitResponse {
+            epoch,
+            reconcile_run_id,
+        }))
+    }
+
     async fn resume_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::TaskResponse>, Status> {
         let request = request.into_inner();
         self.task(&request.task)?;
         self.inner.control.resume_task(&request.task).await?;
         tracing::info!(task = %request.task, "task resumed");
         Ok(Response::new(pb::TaskResponse {}))
+    }
+}
+
+fn now_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// Warns once a shard's watermark is older than 80 % of the delete log's retention: past it,
+/// the purge would remove deletes the shard has not read, and the task pauses with
+/// `reinitialization required`.
+fn retention_warning(shards: &[ShardStatusRow], retention: std::time::Duration) -> Option<String> {
+    let now = now_micros();
+    let oldest = shards.iter().filter_map(|s| s.cursor.incremental_time()).min()?;
+    let age = now - oldest;
+    let limit = retention.as_micros() as i64;
+    (age * 5 > limit * 4).then(|| {
+        format!(
+            "the watermark is {:.0}s old, within 20 % of the delete log's retention ({:.0}s): past it the task \
+             pauses with `reinitialization required`",
+            age as f64 / 1e6,
+            limit as f64 / 1e6
+        )
+    })
+}
+
+fn contract_proto(contract: &Contract) -> pb::Contract {
+    pb::Contract {
+        covers_inserts: contract.coverage.inserts,
+        covers_updates: contract.coverage.updates,
+        covers_deletes: contract.coverage.deletes,
+        coverage: contract.coverage.how.clone(),
+        boundary: contract.boundary.clone(),
+        consistency: contract.consistency.clone(),
+        retention: contract.retention.clone(),
+        reinitialization: contract.reinitialization.clone(),
     }
 }

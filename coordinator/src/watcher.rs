@@ -8,13 +8,15 @@
 use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use tidemark_common::config::TaskMode;
+use tidemark_common::config::{DeletePolicy, TaskMode};
 use tidemark_common::cursor::format_micros;
+use tidemark_common::duration::format_duration;
 use tidemark_common::pg::{self, TableName, connect_options, quote_ident};
 
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
 use crate::planner::PreparedTask;
+use crate::source_install::purge_function;
 
 pub async fn watch_source(control: ControlDb, task: PreparedTask) {
     let name = task.config.name.clone();
@@ -36,12 +38,25 @@ pub async fn watch_source(control: ControlDb, task: PreparedTask) {
 
 async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Result<(), CoordinatorError> {
     let name = task.config.name.as_str();
-    if control.paused_reason(name).await?.is_some() {
-        return Ok(());
-    }
     let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
         .fetch_one(source)
         .await?;
+    if let Some(DeletePolicy::TombstoneTable { retention }) = &task.config.delete_policy {
+        enforce_retention(control, task, source, now, *retention).await?;
+    }
+    if control.paused_reason(name).await?.is_some() {
+        return Ok(());
+    }
+    if let Some(every) = task.config.reconcile_every
+        && control
+            .seconds_since_last_reconcile(name)
+            .await?
+            .is_none_or(|elapsed| elapsed >= every.as_secs_f64())
+    {
+        let since = task.config.reconcile_window.map(|w| now - w.as_micros() as i64);
+        let run_id = control.start_reconcile(name, "schedule", since).await?;
+        tracing::info!(task = name, run_id, "scheduled reconciliation started");
+    }
     let tolerance = task.config.clock_tolerance().as_micros() as i64;
     if let Some(highest) = control.record_source_clock(name, now).await?
         && now < highest - tolerance
@@ -85,6 +100,64 @@ async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Res
             );
             pause(control, name, &reason).await?;
         }
+    }
+    Ok(())
+}
+
+/// The delete log keeps entries for `retention`. Before purging older ones, every shard's
+/// read position is checked: a shard whose watermark (or, in its snapshot, the epoch's start
+/// bound) is older than the cutoff would miss deletes, so the task pauses with
+/// `reinitialization required` — never a silent partial resume. Only then are entries older
+/// than the cutoff purged (this coordinator is the only one that purges).
+async fn enforce_retention(
+    control: &ControlDb,
+    task: &PreparedTask,
+    source: &PgPool,
+    now: i64,
+    retention: Duration,
+) -> Result<(), CoordinatorError> {
+    let name = task.config.name.as_str();
+    let cutoff = now - retention.as_micros() as i64;
+    let start = control
+        .current_epoch(name)
+        .await?
+        .and_then(|e| e.incremental_start.incremental_time());
+    let oldest = control
+        .committed_key_positions(name)
+        .await?
+        .iter()
+        .map(|cursor| {
+            if cursor.is_incremental() {
+                cursor.incremental_time()
+            } else {
+                start
+            }
+        })
+        .min()
+        .flatten();
+    if let Some(oldest) = oldest
+        && oldest < cutoff
+    {
+        let reason = format!(
+            "reinitialization required: a checkpoint ({}) is older than the delete log's retention ({}, kept since {}); \
+             deletes before it are purged. Run `tidemark-coordinator tasks reinit {name}`",
+            format_micros(oldest),
+            format_duration(retention),
+            format_micros(cutoff)
+        );
+        pause(control, name, &reason).await?;
+    }
+    let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
+    let purge = format!(
+        "SELECT {}('1970-01-01 00:00:00+00'::timestamptz + $1::bigint * interval '1 microsecond')",
+        purge_function(&table)
+    );
+    let purged: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(purge))
+        .bind(cutoff)
+        .fetch_one(source)
+        .await?;
+    if purged > 0 {
+        tracing::info!(task = name, purged, cutoff = %format_micros(cutoff), "purged delete-log entries past retention");
     }
     Ok(())
 }

@@ -445,6 +445,36 @@ open_transaction_bound = {bound}
         )
     }
 
+    /// `source install` for the task in the written config.
+    pub fn source_install(&self) -> String {
+        let (ok, stdout, stderr) = self.cli(&[
+            "source",
+            "install",
+            "--task",
+            "items",
+            "--config",
+            self.config_path.to_str().unwrap(),
+        ]);
+        assert!(ok, "source install: {stderr}");
+        stdout
+    }
+
+    /// Runs `reconcile --task items ARGS… --json` and waits for its result.
+    pub fn reconcile(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = vec![
+            "reconcile",
+            "--task",
+            "items",
+            "--coordinator",
+            self.address.as_str(),
+            "--json",
+        ];
+        all.extend_from_slice(args);
+        let (ok, stdout, stderr) = self.cli(&all);
+        assert!(ok, "reconcile failed: {stderr}");
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("reconcile --json printed {stdout:?}: {e}"))
+    }
+
     pub async fn task_status(&self) -> pb::TaskStatus {
         let status = self.try_status().await.expect("coordinator answers status");
         status.tasks.into_iter().next().expect("one task")

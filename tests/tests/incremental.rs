@@ -238,6 +238,7 @@ async fn composite_key_ties_in_one_millisecond_survive_a_crash_between_pages() {
         key_columns: vec!["tenant_id".into(), "order_id".into()],
         cursor_column: Some("updated_at".into()),
         version_column: None,
+        deletes: None,
     };
     let t: i64 = source_micros(&cluster.source, "(SELECT min(updated_at) FROM orders)").await;
     let after = [
@@ -392,6 +393,7 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
         key_columns: vec!["id".into()],
         cursor_column: Some("updated_at".into()),
         version_column: Some("tidemark_row_version".into()),
+        deletes: None,
     };
     let (outcome, _) = tidemark_worker::apply::apply_batch(&trigger.target.pool, &sql, &manifest, &data, None)
         .await

@@ -1,6 +1,7 @@
 //! Applying a batch to the target: ONE transaction that copies the staged rows into a
-//! session-local table, upserts them guarded by version, and writes the ledger row. A batch
-//! already in the ledger is not applied again.
+//! session-local table, applies its tombstones and upserts its rows guarded by version (see
+//! `TableSql::apply_statements`), and writes the ledger row. A batch already in the ledger is
+//! not applied again.
 
 use bytes::Bytes;
 use sqlx::Row;
@@ -69,7 +70,7 @@ async fn apply_once(
     sqlx::query(sqlx::AssertSqlSafe(sql.create_stage_table()))
         .execute(&mut *tx)
         .await?;
-    let mut copy = tx.copy_in_raw(&sql.copy_into_stage()).await?;
+    let mut copy = tx.copy_in_raw(&sql.copy_into_stage(manifest.repair)).await?;
     copy.send(data.as_ref()).await?;
     let copied = copy.finish().await?;
     if copied != manifest.row_count {
@@ -88,9 +89,9 @@ async fn apply_once(
         }
         None => Vec::new(),
     };
-    sqlx::query(sqlx::AssertSqlSafe(sql.upsert_from_stage()))
-        .execute(&mut *tx)
-        .await?;
+    for statement in sql.apply_statements(manifest.repair) {
+        sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&mut *tx).await?;
+    }
     let inserted = sqlx::query(
         "INSERT INTO tidemark_ledger (batch_id, task, epoch, shard_id, row_count, content_hash, fence) \
          VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (batch_id) DO NOTHING",

@@ -110,8 +110,11 @@ impl CoordinatorClient {
     }
 
     pub async fn release_shard(&self, request: pb::ReleaseShardRequest) -> Result<(), WorkerError> {
-        let mut client = self.inner.clone();
-        client.release_shard(request).await?;
+        self.call("release_shard", Duration::from_secs(30), |mut c| {
+            let request = request.clone();
+            async move { c.release_shard(request).await }
+        })
+        .await?;
         Ok(())
     }
 
@@ -124,5 +127,24 @@ impl CoordinatorClient {
             })
             .await?;
         Ok(response.new_version)
+    }
+
+    /// Work for a caught-up shard beside reading (a reconciliation order), if any.
+    pub async fn next_shard_work(&self, request: pb::ShardWorkRequest) -> Result<pb::ShardWorkResponse, WorkerError> {
+        Ok(self
+            .call("next_shard_work", Duration::from_secs(60), |mut c| {
+                let request = request.clone();
+                async move { c.next_shard_work(request).await }
+            })
+            .await?)
+    }
+
+    pub async fn report_reconcile(&self, request: pb::ReportReconcileRequest) -> Result<(), WorkerError> {
+        self.call("report_reconcile", Duration::from_secs(60), |mut c| {
+            let request = request.clone();
+            async move { c.report_reconcile(request).await }
+        })
+        .await?;
+        Ok(())
     }
 }

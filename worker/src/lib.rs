@@ -5,5 +5,6 @@ pub mod apply;
 pub mod client;
 pub mod error;
 pub mod pipeline;
+pub mod reconcile;
 pub mod resources;
 pub mod source;

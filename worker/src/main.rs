@@ -172,7 +172,15 @@ async fn run_lease(
             Some(ended) = shards.join_next(), if !shards.is_empty() => {
                 if let Ok(ended) = ended {
                     let failed = ended.result.is_err();
-                    finish_shard(client, ended).await;
+                    if !finish_shard(client, ended).await {
+                        // The shard's ownership lives under this worker's lease, which the
+                        // heartbeats keep alive: give the whole lease up (it expires within its
+                        // TTL) rather than hold a shard nobody works on.
+                        tracing::warn!(lease_id, "a shard could not be released; giving up the lease");
+                        shards.abort_all();
+                        while shards.join_next().await.is_some() {}
+                        return;
+                    }
                     if failed {
                         idle_delay = Duration::from_secs(1);
                     }
@@ -256,7 +264,8 @@ async fn spawn_shard(
     });
 }
 
-async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) {
+/// Logs how a shard ended and releases it; false when the release failed.
+async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) -> bool {
     let release = &ended.release;
     match &ended.result {
         Ok(()) => tracing::info!(task = %release.task, shard = release.shard_id, "shard stopped"),
@@ -267,7 +276,11 @@ async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) {
             tracing::warn!(task = %release.task, shard = release.shard_id, %error, "shard ended with an error; releasing it")
         }
     }
-    if let Err(error) = client.release_shard(release.clone()).await {
-        tracing::warn!(task = %release.task, shard = release.shard_id, %error, "release failed; the lease will expire instead");
+    match client.release_shard(release.clone()).await {
+        Ok(()) => true,
+        Err(error) => {
+            tracing::warn!(task = %release.task, shard = release.shard_id, %error, "release failed");
+            false
+        }
     }
 }

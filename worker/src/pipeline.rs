@@ -9,10 +9,12 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use tidemark_common::batch::{self, DATA_FORMAT_PG_COPY_TEXT, MANIFEST_FORMAT_VERSION, Manifest};
 use tidemark_common::crash;
 use tidemark_common::cursor::{Cursor, KeyValue, Position, ShardRange};
-use tidemark_common::pg::{Column, TableName, TableSql};
+use tidemark_common::pg::deletes::LogUpper;
+use tidemark_common::pg::{Column, DeleteSource, DeleteSql, TableName, TableSql};
 use tidemark_proto::v1 as pb;
 use tokio::sync::watch;
 
@@ -20,7 +22,7 @@ use crate::apply::{ApplyOutcome, OverlapRegion, apply_batch, ledger_holds};
 use crate::client::CoordinatorClient;
 use crate::error::WorkerError;
 use crate::resources::TaskResources;
-use crate::source::{can_see_all_transactions, oldest_open_transaction_micros, read_page, source_now_micros};
+use crate::source::{Page, can_see_all_transactions, oldest_open_transaction_micros, read_page, source_now_micros};
 
 /// Everything a shard loop knows; `cursor` and `version` follow its own commits.
 pub struct ShardRun {
@@ -56,6 +58,14 @@ struct ReadPlan {
     statement: String,
     on_short: Cursor,
     cycle: Option<(i64, i64)>,
+    /// Incremental pages: where the scan starts `(t, key)` and the cycle's high.
+    scan: Option<Scan>,
+}
+
+struct Scan {
+    t_micros: i64,
+    after_key: Option<Vec<KeyValue>>,
+    high_micros: i64,
 }
 
 /// The overlap region of an incremental batch: its cycle's watermark and high.
@@ -131,6 +141,18 @@ impl ShardRun {
             key_columns: task.key_columns.clone(),
             cursor_column: Some(task.cursor_column.clone()).filter(|c| !c.is_empty()),
             version_column: Some(task.version_column.clone()).filter(|c| !c.is_empty()),
+            deletes: None,
+        };
+        let sql = TableSql {
+            deletes: DeleteSql::from_spec(
+                &task.delete_source,
+                &task.delete_column,
+                task.target_soft_deletes,
+                &sql.source,
+                &sql.target,
+            )
+            .map_err(|e| bad("delete source", e))?,
+            ..sql
         };
         Ok(ShardRun {
             worker_id: worker_id.to_string(),
@@ -166,6 +188,9 @@ impl ShardRun {
                 return Ok(());
             }
             let caught_up = self.step(client).await?;
+            if caught_up && self.cursor.incremental_time().is_some() {
+                self.shard_work(client).await?;
+            }
             if caught_up {
                 tokio::select! {
                     _ = tokio::time::sleep(poll_interval) => {}
@@ -190,14 +215,12 @@ impl ShardRun {
                 pending.batch_id
             )));
         }
-        let (outcome, late) = apply_batch(
-            &self.resources.target,
-            &self.sql,
-            &manifest,
-            &data,
-            overlap_region(&lower, &upper),
-        )
-        .await?;
+        let overlap = if manifest.repair {
+            None
+        } else {
+            overlap_region(&lower, &upper)
+        };
+        let (outcome, late) = apply_batch(&self.resources.target, &self.sql, &manifest, &data, overlap).await?;
         tracing::info!(
             task = %self.task.name, shard = self.shard_id, batch_id = %manifest.batch_id,
             rows = manifest.row_count, ?outcome, "replayed pending batch from staging"
@@ -275,6 +298,7 @@ impl ShardRun {
                     self.incremental_start.clone()
                 },
                 cycle: None,
+                scan: None,
             },
             Position::Append { after_key } => ReadPlan {
                 statement: self
@@ -282,6 +306,7 @@ impl ShardRun {
                     .snapshot_page(&self.range, after_key.as_deref(), None, page_size),
                 on_short: self.cursor.clone(),
                 cycle: None,
+                scan: None,
             },
             Position::Incremental {
                 floor_micros,
@@ -309,6 +334,11 @@ impl ShardRun {
                     // A short page ends the cycle: everything below `high` has been read.
                     on_short: Cursor::incremental_at(epoch, high),
                     cycle: Some((floor, high)),
+                    scan: Some(Scan {
+                        t_micros: scan_t,
+                        after_key: scan_key,
+                        high_micros: high,
+                    }),
                 }
             }
         };
@@ -337,14 +367,59 @@ impl ShardRun {
         }
     }
 
+    /// Reads the page the plan describes. With a delete log, the log's entries between the
+    /// same positions come with it; when they fill a page of their own, the rows stop where
+    /// the log page stopped. Returns the page and whether it was full (more to read).
+    async fn read_changes(&self, plan: &ReadPlan) -> Result<(Page, bool), WorkerError> {
+        let source = &self.resources.source;
+        let page_size = self.task.page_size;
+        let rows = read_page(source, &self.sql, &plan.statement).await?;
+        let rows_full = rows.row_count == u64::from(page_size);
+        let log = match self.sql.deletes.as_ref().map(|d| &d.source) {
+            Some(DeleteSource::Log(log)) => log,
+            _ => return Ok((rows, rows_full)),
+        };
+        let Some(scan) = &plan.scan else {
+            return Ok((rows, rows_full));
+        };
+        let upper = match (&rows.last, rows_full) {
+            (Some((key, Some(t))), true) => LogUpper::AtMost(*t, key),
+            _ => LogUpper::Below(scan.high_micros),
+        };
+        let statement = self.sql.delete_log_page(
+            log,
+            &self.range,
+            scan.t_micros,
+            scan.after_key.as_deref(),
+            upper,
+            page_size,
+        );
+        let deletes = read_page(source, &self.sql, &statement).await?;
+        if deletes.row_count < u64::from(page_size) {
+            return Ok((Page::concat(rows, deletes, true), rows_full));
+        }
+        let Some((log_key, Some(log_t))) = deletes.last.clone() else {
+            return Err(WorkerError::Data("a full delete-log page without a position".into()));
+        };
+        let statement = self.sql.incremental_page_upto(
+            &self.range,
+            scan.t_micros,
+            scan.after_key.as_deref(),
+            scan.high_micros,
+            Some((log_t, &log_key)),
+            page_size,
+        );
+        let rows = read_page(source, &self.sql, &statement).await?;
+        Ok((Page::concat(rows, deletes, false), true))
+    }
+
     /// One page. Returns true when the shard has caught up with the source (wait a poll).
     async fn step(&mut self, client: &CoordinatorClient) -> Result<bool, WorkerError> {
         let Some(plan) = self.plan_read().await? else {
             return Ok(true);
         };
-        let page = read_page(&self.resources.source, &self.sql, &plan.statement).await?;
+        let (page, full) = self.read_changes(&plan).await?;
         crash::point("after_read");
-        let full = page.row_count == u64::from(self.task.page_size);
         let upper = match &page.last {
             Some((key, t_micros)) => self.after_row(&plan, key, *t_micros, full),
             None => plan.on_short.clone(),
@@ -354,17 +429,32 @@ impl ShardRun {
             return Ok(true);
         }
         let lower = self.cursor.clone();
+        self.deliver(client, lower, upper, page.data, page.row_count, false)
+            .await?;
+        Ok(!full)
+    }
+
+    /// The batch protocol for one page of data read at the committed cursor: stage, register,
+    /// apply, verify, commit. A repair batch (reconciliation) has `upper == lower`.
+    pub(crate) async fn deliver(
+        &mut self,
+        client: &CoordinatorClient,
+        lower: Cursor,
+        upper: Cursor,
+        data: Bytes,
+        row_count: u64,
+        repair: bool,
+    ) -> Result<(), WorkerError> {
         let batch_id = batch::batch_id(&self.task.name, self.epoch, self.shard_id, self.version, &lower, &upper);
         let bounds = Bounds {
             batch_id,
             lower,
             upper,
-            row_count: page.row_count,
+            row_count,
             late_row_lateness_micros: Vec::new(),
         };
-        if page.row_count == 0 {
-            self.commit(client, bounds, true, false).await?;
-            return Ok(true);
+        if row_count == 0 {
+            return self.commit(client, bounds, true, false).await;
         }
 
         let mut manifest = Manifest {
@@ -375,19 +465,16 @@ impl ShardRun {
             shard_id: self.shard_id,
             lower: bounds.lower.encode(),
             upper: bounds.upper.encode(),
-            row_count: page.row_count,
-            byte_size: page.data.len() as u64,
-            content_hash: batch::content_hash(&page.data),
+            row_count,
+            byte_size: data.len() as u64,
+            content_hash: batch::content_hash(&data),
             schema_id: self.task.schema_id.clone(),
             fence_token: self.fence,
             data_path: String::new(),
             data_format: DATA_FORMAT_PG_COPY_TEXT.to_string(),
+            repair,
         };
-        let manifest_path = self
-            .resources
-            .staging
-            .write_batch(&mut manifest, page.data.clone())
-            .await?;
+        let manifest_path = self.resources.staging.write_batch(&mut manifest, data.clone()).await?;
         crash::point("after_stage");
         client
             .register_batch(pb::RegisterBatchRequest {
@@ -406,8 +493,12 @@ impl ShardRun {
             })
             .await?;
         crash::point("after_register");
-        let overlap = overlap_region(&bounds.lower, &bounds.upper);
-        let (outcome, late) = apply_batch(&self.resources.target, &self.sql, &manifest, &page.data, overlap).await?;
+        let overlap = if repair {
+            None
+        } else {
+            overlap_region(&bounds.lower, &bounds.upper)
+        };
+        let (outcome, late) = apply_batch(&self.resources.target, &self.sql, &manifest, &data, overlap).await?;
         if outcome == ApplyOutcome::AlreadyApplied {
             // A commit whose outcome looked unknown had gone through; the ledger said so.
             tracing::info!(task = %self.task.name, shard = self.shard_id, batch_id = %manifest.batch_id, "batch was already applied");
@@ -427,7 +518,25 @@ impl ShardRun {
         crash::stop_point("before_commit");
         self.commit(client, bounds, false, false).await?;
         crash::point("after_commit");
-        Ok(!full)
+        Ok(())
+    }
+
+    /// Asks the coordinator for work beside reading (a reconciliation of this shard) and does
+    /// it.
+    async fn shard_work(&mut self, client: &CoordinatorClient) -> Result<(), WorkerError> {
+        let work = client
+            .next_shard_work(pb::ShardWorkRequest {
+                worker_id: self.worker_id.clone(),
+                task: self.task.name.clone(),
+                epoch: self.epoch,
+                shard_id: self.shard_id,
+                fence_token: self.fence,
+            })
+            .await?;
+        if let Some(order) = work.reconcile {
+            self.reconcile(client, &order).await?;
+        }
+        Ok(())
     }
 
     /// `high = min(source now − safety_delay, start of the oldest open source transaction)`.

@@ -18,6 +18,21 @@ pub struct Page {
     pub last: Option<(Vec<KeyValue>, Option<i64>)>,
 }
 
+impl Page {
+    /// Two pages in the same staged layout as one; `first_is_last`: the position is the first
+    /// page's last row, else the second's.
+    pub fn concat(first: Page, second: Page, first_is_last: bool) -> Page {
+        let mut data = BytesMut::with_capacity(first.data.len() + second.data.len());
+        data.extend_from_slice(&first.data);
+        data.extend_from_slice(&second.data);
+        Page {
+            data: data.freeze(),
+            row_count: first.row_count + second.row_count,
+            last: if first_is_last { first.last } else { second.last },
+        }
+    }
+}
+
 pub async fn read_page(source: &PgPool, sql: &TableSql, statement: &str) -> Result<Page, WorkerError> {
     let mut conn = source.acquire().await?;
     let mut stream = conn.copy_out_raw(statement).await?;

@@ -1,0 +1,160 @@
+//! The registry of reconciliation runs in the control database. A run has one part per shard
+//! of its epoch; each part is done by the shard's current owner (the only one allowed to
+//! stage repair batches for it) and reported under its fence.
+
+use sqlx::{Acquire, Row};
+use tidemark_proto::v1 as pb;
+
+use crate::checkpoints::{ControlDb, ShardKey};
+use crate::error::CoordinatorError;
+
+/// One shard's result.
+#[derive(Debug, Clone, Default)]
+pub struct ShardReconcile {
+    pub ranges_compared: u64,
+    pub rows_read: u64,
+    pub keys_repaired: u64,
+    pub extra_in_target: u64,
+    pub duration_ms: u64,
+}
+
+const RUN_SELECT: &str = "SELECT r.id, r.task, r.epoch, r.reason, r.since_micros, \
+     (extract(epoch from r.requested_at) * 1000000)::bigint, r.finished_at IS NOT NULL, \
+     count(s.shard_id), count(s.shard_id) FILTER (WHERE s.state = 'DONE'), \
+     coalesce(sum(s.ranges_compared), 0)::bigint, coalesce(sum(s.rows_read), 0)::bigint, \
+     coalesce(sum(s.keys_repaired), 0)::bigint, coalesce(sum(s.extra_in_target), 0)::bigint, \
+     coalesce((extract(epoch from (coalesce(r.finished_at, now()) - r.requested_at)) * 1000)::bigint, 0) \
+     FROM reconcile_runs r LEFT JOIN reconcile_shards s ON s.run_id = r.id";
+
+fn run_from_row(row: &sqlx::postgres::PgRow) -> pb::ReconcileRun {
+    pb::ReconcileRun {
+        run_id: row.get::<i64, _>(0) as u64,
+        task: row.get(1),
+        epoch: row.get::<i64, _>(2) as u64,
+        reason: row.get(3),
+        since_micros: row.get(4),
+        requested_at_micros: row.get(5),
+        finished: row.get(6),
+        shards_total: row.get::<i64, _>(7) as u32,
+        shards_done: row.get::<i64, _>(8) as u32,
+        ranges_compared: row.get::<i64, _>(9) as u64,
+        rows_read: row.get::<i64, _>(10) as u64,
+        keys_repaired: row.get::<i64, _>(11) as u64,
+        extra_in_target: row.get::<i64, _>(12) as u64,
+        duration_ms: row.get::<i64, _>(13).max(0) as u64,
+    }
+}
+
+impl ControlDb {
+    /// Creates a run over every shard of the task's current epoch; returns its id.
+    pub async fn start_reconcile(
+        &self,
+        task: &str,
+        reason: &str,
+        since_micros: Option<i64>,
+    ) -> Result<u64, CoordinatorError> {
+        let mut tx = self.pool().begin().await?;
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO reconcile_runs (task, epoch, reason, since_micros) \
+             SELECT name, current_epoch, $2, $3 FROM tasks WHERE name = $1 RETURNING id",
+        )
+        .bind(task)
+        .bind(reason)
+        .bind(since_micros)
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or_else(|| CoordinatorError::UnknownTask(task.to_string()))?;
+        sqlx::query(
+            "INSERT INTO reconcile_shards (run_id, shard_id, state) \
+             SELECT $1, c.shard_id, 'PENDING' FROM checkpoints c JOIN reconcile_runs r ON r.id = $1 \
+             WHERE c.task = r.task AND c.epoch = r.epoch",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(id as u64)
+    }
+
+    /// The oldest pending part of a run for this shard.
+    pub async fn next_reconcile(&self, shard: &ShardKey) -> Result<Option<pb::ReconcileOrder>, CoordinatorError> {
+        let row = sqlx::query(
+            "SELECT r.id, r.since_micros FROM reconcile_runs r JOIN reconcile_shards s ON s.run_id = r.id \
+             WHERE r.task = $1 AND r.epoch = $2 AND s.shard_id = $3 AND s.state = 'PENDING' ORDER BY r.id LIMIT 1",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .fetch_optional(self.pool())
+        .await?;
+        Ok(row.map(|row| pb::ReconcileOrder {
+            run_id: row.get::<i64, _>(0) as u64,
+            since_micros: row.get(1),
+        }))
+    }
+
+    /// Records a shard's result under its owner's fence; the run is finished with its last
+    /// part.
+    pub async fn report_reconcile(
+        &self,
+        shard: &ShardKey,
+        fence: u64,
+        run_id: u64,
+        result: &ShardReconcile,
+    ) -> Result<(), CoordinatorError> {
+        let mut tx = self.pool().begin().await?;
+        Self::lock_checkpoint(tx.acquire().await?, shard, fence).await?;
+        sqlx::query(
+            "UPDATE reconcile_shards SET state = 'DONE', ranges_compared = $3, rows_read = $4, keys_repaired = $5, \
+             extra_in_target = $6, duration_ms = $7, finished_at = now() \
+             WHERE run_id = $1 AND shard_id = $2 AND state = 'PENDING'",
+        )
+        .bind(run_id as i64)
+        .bind(shard.shard_id as i32)
+        .bind(result.ranges_compared as i64)
+        .bind(result.rows_read as i64)
+        .bind(result.keys_repaired as i64)
+        .bind(result.extra_in_target as i64)
+        .bind(result.duration_ms as i64)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE reconcile_runs SET finished_at = now() WHERE id = $1 AND finished_at IS NULL \
+             AND NOT EXISTS (SELECT 1 FROM reconcile_shards WHERE run_id = $1 AND state = 'PENDING')",
+        )
+        .bind(run_id as i64)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn reconcile_run(&self, run_id: u64) -> Result<Option<pb::ReconcileRun>, CoordinatorError> {
+        let query = format!("{RUN_SELECT} WHERE r.id = $1 GROUP BY r.id");
+        let row = sqlx::query(sqlx::AssertSqlSafe(query))
+            .bind(run_id as i64)
+            .fetch_optional(self.pool())
+            .await?;
+        Ok(row.as_ref().map(run_from_row))
+    }
+
+    /// The task's most recent run.
+    pub async fn last_reconcile(&self, task: &str) -> Result<Option<pb::ReconcileRun>, CoordinatorError> {
+        let query = format!("{RUN_SELECT} WHERE r.task = $1 GROUP BY r.id ORDER BY r.id DESC LIMIT 1");
+        let row = sqlx::query(sqlx::AssertSqlSafe(query))
+            .bind(task)
+            .fetch_optional(self.pool())
+            .await?;
+        Ok(row.as_ref().map(run_from_row))
+    }
+
+    /// Seconds since the task's last run was requested, if any.
+    pub async fn seconds_since_last_reconcile(&self, task: &str) -> Result<Option<f64>, CoordinatorError> {
+        Ok(sqlx::query_scalar(
+            "SELECT extract(epoch from now() - max(requested_at))::float8 FROM reconcile_runs WHERE task = $1",
+        )
+        .bind(task)
+        .fetch_one(self.pool())
+        .await?)
+    }
+}

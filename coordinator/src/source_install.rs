@@ -1,0 +1,211 @@
+//! `tidemark-coordinator source install --task T`: prepares a task's source table for the
+//! contract its configuration claims: the trigger-maintained version column (`version =
+//! "trigger"`) and the trigger-fed delete log (`delete_policy = { kind = "tombstone_table" }`)
+//! with its purge function. Every step is idempotent.
+
+use tidemark_common::config::{DeletePolicy, TRIGGER_VERSION_COLUMN, TaskConfig, VersionConfig};
+use tidemark_common::pg::deletes::delete_log_table;
+use tidemark_common::pg::{TableName, quote_ident, timestamp_unit_micros};
+
+use crate::error::CoordinatorError;
+use crate::planner::{connect_database, introspect};
+
+/// Installs what the task's configuration needs; returns one line per installed part.
+pub async fn install(config: &TaskConfig) -> Result<Vec<String>, CoordinatorError> {
+    let mut done = Vec::new();
+    if config.version == VersionConfig::Trigger {
+        done.push(install_trigger_version(config).await?);
+    }
+    if let Some(DeletePolicy::TombstoneTable { .. }) = &config.delete_policy {
+        done.push(install_delete_log(config).await?);
+    }
+    if done.is_empty() {
+        return Err(CoordinatorError::task_setup(
+            &config.name,
+            "nothing to install: neither version = \"trigger\" nor delete_policy tombstone_table is configured",
+        ));
+    }
+    Ok(done)
+}
+
+fn version_sequence(table: &TableName) -> String {
+    format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&format!("{}_tidemark_version_seq", table.name))
+    )
+}
+
+/// The function the coordinator calls to purge delete-log entries older than a cutoff.
+pub fn purge_function(table: &TableName) -> String {
+    format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&format!("tidemark_purge_{}", table.name))
+    )
+}
+
+/// The delete log: an AFTER DELETE trigger (and an AFTER UPDATE trigger for key changes)
+/// records each removed key with a version above the row's last one and the time, and a
+/// purge function removes entries older than a cutoff.
+async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let source = connect_database(task, "source", &config.source).await?;
+    let columns = introspect(&source, task, "source", &table)
+        .await?
+        .ok_or_else(|| setup(format!("source table {table} does not exist")))?;
+    let mut key_definitions = Vec::new();
+    for key in &config.key {
+        let column = columns
+            .iter()
+            .find(|c| &c.column.name == key)
+            .ok_or_else(|| setup(format!("key column {key:?} does not exist in {table}")))?;
+        key_definitions.push(format!("{} {} NOT NULL", quote_ident(key), column.column.sql_type));
+    }
+    let version = match (&config.version, &config.cursor_column) {
+        (VersionConfig::Trigger, _) => format!("nextval('{}')", version_sequence(&table)),
+        (VersionConfig::Cursor, Some(cursor)) => {
+            // Above the row's last version, and on the cursor's precision so that a re-insert
+            // in a later unit of it wins (within the same unit the delete wins the tie: the
+            // cursor version cannot order them; `version = "trigger"` can).
+            let cursor_type = columns
+                .iter()
+                .find(|c| &c.column.name == cursor)
+                .map_or("timestamp with time zone", |c| c.column.sql_type.as_str());
+            let unit = timestamp_unit_micros(cursor_type);
+            format!(
+                "GREATEST((extract(epoch from OLD.{c}) * 1000000)::bigint + 1, \
+                 ((extract(epoch from clock_timestamp()) * 1000000)::bigint / {unit}) * {unit})",
+                c = quote_ident(cursor)
+            )
+        }
+        _ => {
+            return Err(setup(
+                "contract clause coverage: a delete log needs version = \"trigger\" or \"cursor\"".into(),
+            ));
+        }
+    };
+    let log = delete_log_table(&table);
+    let keys: Vec<String> = config.key.iter().map(|k| quote_ident(k)).collect();
+    let old_keys: Vec<String> = keys.iter().map(|k| format!("OLD.{k}")).collect();
+    let function = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&format!("tidemark_log_delete_{}", table.name))
+    );
+    let trigger = quote_ident(&format!("tidemark_deletes_{}", table.name));
+    let key_trigger = quote_ident(&format!("tidemark_key_changes_{}", table.name));
+    let key_changed: Vec<String> = keys
+        .iter()
+        .map(|k| format!("OLD.{k} IS DISTINCT FROM NEW.{k}"))
+        .collect();
+    let statements = vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} ({}, version bigint NOT NULL, deleted_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+            log.quoted(),
+            key_definitions.join(", ")
+        ),
+        format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {} (deleted_at, {})",
+            quote_ident(&format!("{}_position", log.name)),
+            log.quoted(),
+            keys.join(", ")
+        ),
+        format!(
+            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+             INSERT INTO {} ({}, version) VALUES ({}, {version}); RETURN NULL; END $$",
+            log.quoted(),
+            keys.join(", "),
+            old_keys.join(", ")
+        ),
+        format!("DROP TRIGGER IF EXISTS {trigger} ON {}", table.quoted()),
+        format!(
+            "CREATE TRIGGER {trigger} AFTER DELETE ON {} FOR EACH ROW EXECUTE FUNCTION {function}()",
+            table.quoted()
+        ),
+        format!("DROP TRIGGER IF EXISTS {key_trigger} ON {}", table.quoted()),
+        format!(
+            "CREATE TRIGGER {key_trigger} AFTER UPDATE ON {} FOR EACH ROW WHEN ({}) EXECUTE FUNCTION {function}()",
+            table.quoted(),
+            key_changed.join(" OR ")
+        ),
+        format!(
+            "CREATE OR REPLACE FUNCTION {}(cutoff timestamptz) RETURNS bigint LANGUAGE sql AS $$ \
+             WITH gone AS (DELETE FROM {} WHERE deleted_at < cutoff RETURNING 1) SELECT count(*) FROM gone $$",
+            purge_function(&table),
+            log.quoted()
+        ),
+    ];
+    let mut tx = source.begin().await?;
+    for statement in &statements {
+        sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| setup(format!("installing the delete log on {table}: {e}")))?;
+    }
+    tx.commit().await?;
+    source.close().await;
+    Ok(format!(
+        "task {task}: deletes from {table} are logged in {log} by trigger {trigger}; {} purges entries",
+        purge_function(&table)
+    ))
+}
+
+/// `tidemark-coordinator source install --task T`: adds `tidemark_row_version` to the
+/// source table, fed by a global sequence on every insert and update, so that versions are
+/// monotone per key whatever the clocks do and across delete/re-insert. Existing rows get a
+/// version in one UPDATE (this rewrites the table: run it before the first sync, at a quiet
+/// time). Idempotent.
+pub async fn install_trigger_version(config: &TaskConfig) -> Result<String, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let source = connect_database(task, "source", &config.source).await?;
+    let columns = introspect(&source, task, "source", &table)
+        .await?
+        .ok_or_else(|| setup(format!("source table {table} does not exist")))?;
+    let column = quote_ident(TRIGGER_VERSION_COLUMN);
+    let qualified_sequence = version_sequence(&table);
+    let function = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&format!("tidemark_version_{}", table.name))
+    );
+    let trigger = quote_ident(&format!("tidemark_version_{}", table.name));
+    let has_column = columns.iter().any(|c| c.column.name == TRIGGER_VERSION_COLUMN);
+    let mut statements = vec![format!("CREATE SEQUENCE IF NOT EXISTS {qualified_sequence}")];
+    if !has_column {
+        statements.push(format!("ALTER TABLE {} ADD COLUMN {column} bigint", table.quoted()));
+        statements.push(format!(
+            "UPDATE {} SET {column} = nextval('{qualified_sequence}')",
+            table.quoted()
+        ));
+        statements.push(format!(
+            "ALTER TABLE {} ALTER COLUMN {column} SET DEFAULT nextval('{qualified_sequence}'), ALTER COLUMN {column} SET NOT NULL",
+            table.quoted()
+        ));
+    }
+    statements.push(format!(
+        "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN NEW.{column} := nextval('{qualified_sequence}'); RETURN NEW; END $$"
+    ));
+    statements.push(format!("DROP TRIGGER IF EXISTS {trigger} ON {}", table.quoted()));
+    statements.push(format!(
+        "CREATE TRIGGER {trigger} BEFORE INSERT OR UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {function}()",
+        table.quoted()
+    ));
+    let mut tx = source.begin().await?;
+    for statement in &statements {
+        sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| setup(format!("installing the version trigger on {table}: {e}")))?;
+    }
+    tx.commit().await?;
+    source.close().await;
+    Ok(format!(
+        "task {task}: {table}.{TRIGGER_VERSION_COLUMN} is maintained by trigger {trigger} from sequence {qualified_sequence}"
+    ))
+}

@@ -1,0 +1,367 @@
+//! Reconciliation of one shard's key range, run by the shard's owner between cycles.
+//!
+//! Both sides compute, inside their databases, a count and a sum of hashes of `(key, version)`
+//! per bucket of the first key column. Buckets that differ are split again (16 ways) until
+//! they hold at most `LEAF_ROWS` rows on either side; only those small ranges are read, as
+//! `(key, version)` pairs. Keys whose version differs, that the target lacks, or that only the
+//! target has are then repaired through the normal batch protocol: the source rows are read
+//! by key and staged (keys the source no longer has become tombstones when the task has a
+//! delete policy), registered, applied and committed under the shard's fence like any batch,
+//! with `lower == upper` because the cursor does not move.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use bytes::Bytes;
+use sqlx::Row;
+use sqlx::postgres::PgPool;
+use tidemark_common::copy_text;
+use tidemark_common::cursor::{KeyValue, ShardRange};
+use tidemark_common::pg::reconcile::{Scope, Side};
+use tidemark_proto::v1 as pb;
+
+use crate::client::CoordinatorClient;
+use crate::error::WorkerError;
+use crate::pipeline::ShardRun;
+use crate::source::read_page;
+
+/// Buckets per split.
+const SPLIT: u32 = 16;
+/// A range with at most this many rows on each side is compared row by row...
+const LEAF_ROWS: i64 = 16;
+/// ...and so is one of up to this many rows whose counts differ by a quarter or more (the
+/// drift is dense: splitting further would cost more queries than reading it).
+const DENSE_LEAF_ROWS: i64 = 4096;
+
+#[derive(Debug, Default, Clone)]
+pub struct Outcome {
+    pub ranges_compared: u64,
+    pub rows_read: u64,
+    pub keys_repaired: u64,
+    pub extra_in_target: u64,
+}
+
+/// Count and hash sum of one bucket on one side.
+type Sums = HashMap<i32, (i64, String)>;
+
+/// A key that differs, with the target version the comparison saw (None: absent).
+struct Repair {
+    key: Vec<KeyValue>,
+    expected: Option<i64>,
+}
+
+fn is_integer(sql_type: &str) -> bool {
+    matches!(sql_type, "bigint" | "integer" | "smallint")
+}
+
+impl ShardRun {
+    /// Runs one reconciliation order for this shard and reports the result.
+    pub async fn reconcile(
+        &mut self,
+        client: &CoordinatorClient,
+        order: &pb::ReconcileOrder,
+    ) -> Result<(), WorkerError> {
+        let started = Instant::now();
+        tracing::info!(task = %self.task.name, shard = self.shard_id, run_id = order.run_id, "reconciling shard");
+        let outcome = self.compare_and_repair(client, order.since_micros).await?;
+        let duration_ms = started.elapsed().as_millis() as u64;
+        tracing::info!(
+            task = %self.task.name, shard = self.shard_id, run_id = order.run_id, ranges = outcome.ranges_compared,
+            rows_read = outcome.rows_read, repaired = outcome.keys_repaired, duration_ms, "shard reconciled"
+        );
+        client
+            .report_reconcile(pb::ReportReconcileRequest {
+                worker_id: self.worker_id.clone(),
+                task: self.task.name.clone(),
+                epoch: self.epoch,
+                shard_id: self.shard_id,
+                fence_token: self.fence,
+                run_id: order.run_id,
+                ranges_compared: outcome.ranges_compared,
+                rows_read: outcome.rows_read,
+                keys_repaired: outcome.keys_repaired,
+                extra_in_target: outcome.extra_in_target,
+                duration_ms,
+            })
+            .await
+    }
+
+    async fn compare_and_repair(
+        &mut self,
+        client: &CoordinatorClient,
+        since_micros: Option<i64>,
+    ) -> Result<Outcome, WorkerError> {
+        let mut outcome = Outcome::default();
+        let mut repairs: Vec<Repair> = Vec::new();
+        // (range, counts per side when already known from the parent's buckets)
+        let mut work: Vec<(ShardRange, Option<(i64, i64)>)> = vec![(self.range.clone(), None)];
+        while let Some((range, known)) = work.pop() {
+            let scope = Scope {
+                range: &range,
+                since_micros,
+            };
+            let (source_count, target_count) = match known {
+                Some(counts) => counts,
+                None => {
+                    outcome.ranges_compared += 1;
+                    let source = self.sums(Side::Source, &scope, &[]).await?;
+                    let target = self.sums(Side::Target, &scope, &[]).await?;
+                    if source == target {
+                        continue;
+                    }
+                    let count = |sums: &Sums| sums.get(&0).map_or(0, |s| s.0);
+                    (count(&source), count(&target))
+                }
+            };
+            let larger = source_count.max(target_count);
+            let dense = (source_count - target_count).abs() * 4 >= larger && larger <= DENSE_LEAF_ROWS;
+            let thresholds = if larger <= LEAF_ROWS || dense {
+                Vec::new()
+            } else {
+                self.thresholds(&scope, source_count >= target_count).await?
+            };
+            if thresholds.is_empty() {
+                self.diff_leaf(&scope, &mut outcome, &mut repairs).await?;
+                if repairs.len() >= self.task.page_size as usize {
+                    self.repair(client, std::mem::take(&mut repairs), &mut outcome).await?;
+                }
+                continue;
+            }
+            let source = self.sums(Side::Source, &scope, &thresholds).await?;
+            let target = self.sums(Side::Target, &scope, &thresholds).await?;
+            for bucket in 0..=thresholds.len() as i32 {
+                let (s, t) = (source.get(&bucket), target.get(&bucket));
+                if s.is_none() && t.is_none() {
+                    continue;
+                }
+                outcome.ranges_compared += 1;
+                if s == t {
+                    continue;
+                }
+                let lo = if bucket == 0 {
+                    range.lo.clone()
+                } else {
+                    Some(thresholds[bucket as usize - 1].clone())
+                };
+                let hi = if bucket as usize == thresholds.len() {
+                    range.hi.clone()
+                } else {
+                    Some(thresholds[bucket as usize].clone())
+                };
+                let counts = (s.map_or(0, |v| v.0), t.map_or(0, |v| v.0));
+                work.push((ShardRange { lo, hi }, Some(counts)));
+            }
+        }
+        if !repairs.is_empty() {
+            self.repair(client, repairs, &mut outcome).await?;
+        }
+        Ok(outcome)
+    }
+
+    fn side_pool(&self, side: Side) -> &PgPool {
+        match side {
+            Side::Source => &self.resources.source,
+            Side::Target => &self.resources.target,
+        }
+    }
+
+    async fn sums(&self, side: Side, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<Sums, WorkerError> {
+        let statement = self.sql.checksum_buckets(side, scope, thresholds);
+        let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
+            .fetch_all(self.side_pool(side))
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| (row.get::<i32, _>(0), (row.get::<i64, _>(1), row.get::<String, _>(2))))
+            .collect())
+    }
+
+    /// Split points inside the scope: even steps for integer keys, sampled quantiles (from the
+    /// side with more rows) otherwise. Empty when the range cannot be split.
+    async fn thresholds(&self, scope: &Scope<'_>, source_is_larger: bool) -> Result<Vec<KeyValue>, WorkerError> {
+        let key_type = self.sql.key_types()[0].clone();
+        let value = |v: String| KeyValue {
+            sql_type: key_type.clone(),
+            value: v,
+        };
+        let mut points: Vec<String> = Vec::new();
+        if is_integer(&key_type) {
+            let mut lo = i64::MAX;
+            let mut hi = i64::MIN;
+            for side in [Side::Source, Side::Target] {
+                let row = sqlx::query(sqlx::AssertSqlSafe(self.sql.key_bounds(side, scope)))
+                    .fetch_one(self.side_pool(side))
+                    .await?;
+                let parse = |i: usize| row.get::<Option<String>, _>(i).and_then(|t| t.parse::<i64>().ok());
+                if let (Some(min), Some(max)) = (parse(0), parse(1)) {
+                    lo = lo.min(min);
+                    hi = hi.max(max);
+                }
+            }
+            if lo < hi {
+                let width = (hi as i128 - lo as i128 + 1) as u128;
+                let step = width.div_ceil(u128::from(SPLIT)).max(1) as i128;
+                let mut point = lo as i128 + step;
+                while point <= hi as i128 && points.len() < SPLIT as usize - 1 {
+                    points.push(point.to_string());
+                    point += step;
+                }
+            }
+        } else {
+            let side = if source_is_larger { Side::Source } else { Side::Target };
+            let quantiles: Option<Vec<String>> =
+                sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql.key_quantiles(side, scope, SPLIT)))
+                    .fetch_one(self.side_pool(side))
+                    .await?;
+            for q in quantiles.unwrap_or_default() {
+                if points.last() != Some(&q) && scope.range.lo.as_ref().is_none_or(|lo| lo.value != q) {
+                    points.push(q);
+                }
+            }
+        }
+        Ok(points.into_iter().map(value).collect())
+    }
+
+    /// Reads a small range's `(key, version)` pairs on both sides and collects the keys that
+    /// differ.
+    async fn diff_leaf(
+        &self,
+        scope: &Scope<'_>,
+        outcome: &mut Outcome,
+        repairs: &mut Vec<Repair>,
+    ) -> Result<(), WorkerError> {
+        let read = |side: Side| {
+            let statement = self.sql.key_versions(side, scope);
+            let pool = self.side_pool(side).clone();
+            async move {
+                let rows = sqlx::query(sqlx::AssertSqlSafe(statement)).fetch_all(&pool).await?;
+                Ok::<HashMap<Vec<String>, i64>, WorkerError>(
+                    rows.into_iter()
+                        .map(|row| (row.get::<Vec<String>, _>(0), row.get::<i64, _>(1)))
+                        .collect(),
+                )
+            }
+        };
+        let source = read(Side::Source).await?;
+        let target = read(Side::Target).await?;
+        outcome.rows_read += (source.len() + target.len()) as u64;
+        let key_types = self.sql.key_types();
+        let to_key = |values: &[String]| -> Vec<KeyValue> {
+            values
+                .iter()
+                .zip(&key_types)
+                .map(|(value, sql_type)| KeyValue {
+                    sql_type: sql_type.clone(),
+                    value: value.clone(),
+                })
+                .collect()
+        };
+        for (key, version) in &source {
+            let expected = target.get(key).copied();
+            if expected != Some(*version) {
+                repairs.push(Repair {
+                    key: to_key(key),
+                    expected,
+                });
+            }
+        }
+        for (key, version) in &target {
+            if !source.contains_key(key) {
+                repairs.push(Repair {
+                    key: to_key(key),
+                    expected: Some(*version),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Stages the differing keys as one repair batch: the source rows as they are now (with
+    /// the target version the comparison saw), and a tombstone for each key the source no
+    /// longer has (when the task has a delete policy).
+    async fn repair(
+        &mut self,
+        client: &CoordinatorClient,
+        repairs: Vec<Repair>,
+        outcome: &mut Outcome,
+    ) -> Result<(), WorkerError> {
+        let keys: Vec<Vec<KeyValue>> = repairs.iter().map(|r| r.key.clone()).collect();
+        let page = read_page(&self.resources.source, &self.sql, &self.sql.rows_by_key(&keys)).await?;
+        let expected: HashMap<Vec<String>, Option<i64>> = repairs
+            .iter()
+            .map(|r| (r.key.iter().map(|k| k.value.clone()).collect(), r.expected))
+            .collect();
+        let positions = self.sql.key_positions();
+        let mut data: Vec<u8> = Vec::with_capacity(page.data.len() + repairs.len() * 32);
+        let mut found: Vec<Vec<String>> = Vec::new();
+        let mut row_count = 0u64;
+        for row in copy_text::rows(&page.data) {
+            let key = positions
+                .iter()
+                .map(|&i| {
+                    copy_text::raw_field(row, i)
+                        .and_then(|raw| copy_text::decode_field(raw).ok().flatten())
+                        .ok_or_else(|| WorkerError::Data("a repaired row has no key".into()))
+                })
+                .collect::<Result<Vec<String>, WorkerError>>()?;
+            data.extend_from_slice(row);
+            data.push(b'\t');
+            push_version(&mut data, expected.get(&key).copied().flatten());
+            data.push(b'\n');
+            found.push(key);
+            row_count += 1;
+        }
+        for repair in &repairs {
+            let values: Vec<String> = repair.key.iter().map(|k| k.value.clone()).collect();
+            if found.contains(&values) {
+                continue;
+            }
+            let Some(version) = repair.expected else {
+                // Gone from the source since the comparison, and never in the target.
+                continue;
+            };
+            if self.sql.deletes.is_none() {
+                outcome.extra_in_target += 1;
+                continue;
+            }
+            self.push_tombstone(&mut data, &values, version);
+            row_count += 1;
+        }
+        outcome.rows_read += page.row_count;
+        outcome.keys_repaired += row_count;
+        if row_count == 0 {
+            return Ok(());
+        }
+        let cursor = self.cursor.clone();
+        self.deliver(client, cursor.clone(), cursor, Bytes::from(data), row_count, true)
+            .await
+    }
+
+    /// A tombstone in the staged layout: the key, NULL elsewhere, the version, no cursor time,
+    /// the delete flag, and the expected version (the same: replace exactly what was seen).
+    fn push_tombstone(&self, data: &mut Vec<u8>, key: &[String], version: i64) {
+        let positions = self.sql.key_positions();
+        for index in 0..self.sql.columns.len() {
+            match positions.iter().position(|&p| p == index) {
+                Some(k) => copy_text::encode_field(&key[k], data),
+                None => data.extend_from_slice(copy_text::NULL_FIELD),
+            }
+            data.push(b'\t');
+        }
+        push_version(data, Some(version));
+        if self.sql.cursor_column.is_some() {
+            data.push(b'\t');
+            data.extend_from_slice(copy_text::NULL_FIELD);
+        }
+        data.extend_from_slice(b"\tt\t");
+        push_version(data, Some(version));
+        data.push(b'\n');
+    }
+}
+
+fn push_version(data: &mut Vec<u8>, version: Option<i64>) {
+    match version {
+        Some(v) => data.extend_from_slice(v.to_string().as_bytes()),
+        None => data.extend_from_slice(copy_text::NULL_FIELD),
+    }
+}
