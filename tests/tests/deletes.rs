@@ -499,3 +499,36 @@ async fn reconcile_a_million_rows_reads_only_what_differs() {
     assert!(rows_read < (ROWS as u64) / 100, "read {rows_read} rows, not under 1 %");
     assert_expected(&cluster, "true", CURSOR_VERSION, false, "after reconcile").await;
 }
+
+/// B = a scheduled reconciliation run; D = reconcile. Rows removed from or altered in the
+/// target behind Tidemark's back are put back by the next run of `reconcile_every`, without
+/// anyone calling the CLI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scheduled_reconciliation_repairs_drift() {
+    let mut cluster = Cluster::new("del_sched").await;
+    create_fixture(&cluster.source, 2_000).await;
+    let settings = TaskSettings {
+        shards: 2,
+        extra: "delete_policy = { kind = \"reconcile\" }\nreconcile_every = \"3s\"".into(),
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    cluster.spawn_worker("del-sched-w", 2, &[]);
+    let now = source_now(&cluster.source).await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    cluster
+        .target
+        .exec("DELETE FROM items WHERE id % 200 = 0; UPDATE items SET name = 'tampered', _tidemark_version = 0 WHERE id % 300 = 1")
+        .await;
+    let drifted = source_now(&cluster.source).await;
+    let status = cluster
+        .wait_for("a scheduled run after the drift", Duration::from_secs(60), |t| {
+            t.last_reconcile
+                .as_ref()
+                .is_some_and(|r| r.reason == "schedule" && r.finished && r.requested_at_micros > drifted)
+        })
+        .await;
+    let run = status.last_reconcile.unwrap();
+    eprintln!("scheduled: {run:?}");
+    assert_expected(&cluster, "true", CURSOR_VERSION, false, "after a scheduled run").await;
+}
