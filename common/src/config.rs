@@ -51,6 +51,13 @@ pub struct CoordinatorConfig {
     /// references (torn writes, crashed owners), are deleted once older than this.
     #[serde(default = "default_staging_retention", with = "serde_human")]
     pub staging_retention: Duration,
+    /// The address other replicas, workers and the CLI reach this replica at (shown as the
+    /// leader's address); default `http://<listen>`.
+    #[serde(default)]
+    pub advertise: Option<String>,
+    /// Even out shards per worker by graceful moves.
+    #[serde(default)]
+    pub balance: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

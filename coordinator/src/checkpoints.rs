@@ -65,6 +65,8 @@ pub struct EpochPlan {
     pub incremental_start: Cursor,
     /// Encoded shard ranges, in shard id order.
     pub ranges: Vec<String>,
+    /// `pg_class.reltuples` at planning, when the table was ever analyzed.
+    pub estimated_rows: Option<i64>,
 }
 
 pub struct RegisterBatch<'a> {
@@ -77,6 +79,22 @@ pub struct RegisterBatch<'a> {
     pub byte_size: u64,
     pub content_hash: &'a str,
     pub manifest_path: &'a str,
+}
+
+/// A shard's checkpoint row, locked for a change by its current owner.
+pub(crate) struct LockedCheckpoint {
+    pub cursor: Cursor,
+    pub version: u64,
+    pub last_batch_id: Option<String>,
+    pub release_requested: bool,
+}
+
+/// The result of a commit: the new checkpoint version, and whether the owner is asked to
+/// release the shard (a move, split, merge or drain waits for it).
+#[derive(Debug, Clone, Copy)]
+pub struct Committed {
+    pub new_version: u64,
+    pub release_requested: bool,
 }
 
 pub struct CommitBatch<'a> {
@@ -194,6 +212,19 @@ impl ControlDb {
         .transpose()
     }
 
+    /// The planner's row estimate for an epoch.
+    pub async fn estimated_rows(&self, task: &str, epoch: u64) -> Result<Option<u64>, CoordinatorError> {
+        Ok(
+            sqlx::query_scalar::<_, Option<i64>>("SELECT estimated_rows FROM epochs WHERE task = $1 AND epoch = $2")
+                .bind(task)
+                .bind(epoch as i64)
+                .fetch_optional(&self.pool)
+                .await?
+                .flatten()
+                .map(|n| n.max(0) as u64),
+        )
+    }
+
     /// Writes a planned epoch with its shards, unless another coordinator already did: the
     /// task row's primary key decides, and the loser reads the winner's plan.
     pub async fn create_epoch(&self, plan: &EpochPlan) -> Result<bool, CoordinatorError> {
@@ -210,8 +241,8 @@ impl ControlDb {
             return Ok(false);
         }
         sqlx::query(
-            "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start, \
+             estimated_rows) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .bind(&plan.task)
         .bind(plan.epoch as i64)
@@ -220,6 +251,7 @@ impl ControlDb {
         .bind(plan.h0_time_micros)
         .bind(&plan.h0_max_key)
         .bind(cursor_json(&plan.incremental_start))
+        .bind(plan.estimated_rows)
         .execute(&mut *tx)
         .await?;
         Self::insert_shards(&mut tx, plan).await?;
@@ -242,8 +274,8 @@ impl ControlDb {
             return Ok(false);
         }
         sqlx::query(
-            "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start, \
+             estimated_rows) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .bind(&plan.task)
         .bind(plan.epoch as i64)
@@ -252,6 +284,7 @@ impl ControlDb {
         .bind(plan.h0_time_micros)
         .bind(&plan.h0_max_key)
         .bind(cursor_json(&plan.incremental_start))
+        .bind(plan.estimated_rows)
         .execute(&mut *tx)
         .await?;
         Self::insert_shards(&mut tx, plan).await?;
@@ -343,7 +376,7 @@ impl ControlDb {
     pub async fn committed_key_positions(&self, task: &str) -> Result<Vec<Cursor>, CoordinatorError> {
         let rows: Vec<serde_json::Value> = sqlx::query_scalar(
             "SELECT c.cursor FROM checkpoints c JOIN tasks t ON t.name = c.task AND t.current_epoch = c.epoch \
-             WHERE c.task = $1",
+             WHERE c.task = $1 AND NOT c.retired",
         )
         .bind(task)
         .fetch_all(&self.pool)
@@ -369,13 +402,18 @@ impl ControlDb {
 
     /// Shards of the given tasks' current epochs that are not paused, least recently
     /// touched first.
-    pub async fn shard_candidates(&self, tasks: &[String]) -> Result<Vec<ShardKey>, CoordinatorError> {
+    pub async fn shard_candidates(&self, tasks: &[String], worker: &str) -> Result<Vec<ShardKey>, CoordinatorError> {
+        // Shards reserved for this worker (a move) come first; shards reserved for another
+        // worker, or waiting for a split or merge, are left alone.
         let rows = sqlx::query(
             "SELECT c.task, c.epoch, c.shard_id FROM checkpoints c \
              JOIN tasks t ON t.name = c.task AND t.current_epoch = c.epoch \
-             WHERE t.paused_reason IS NULL AND c.task = ANY($1) ORDER BY c.updated_at, c.task, c.shard_id",
+             WHERE t.paused_reason IS NULL AND c.task = ANY($1) AND NOT c.retired AND c.pending_op IS NULL \
+             AND (c.reserved_for IS NULL OR c.reserved_for = $2 OR c.reserved_until < now()) \
+             ORDER BY (c.reserved_for IS NOT DISTINCT FROM $2) DESC, c.updated_at, c.task, c.shard_id",
         )
         .bind(tasks)
+        .bind(worker)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
@@ -396,8 +434,9 @@ impl ControlDb {
         owner: &str,
     ) -> Result<Option<ShardRecord>, CoordinatorError> {
         let row = sqlx::query(
-            "UPDATE checkpoints SET fence = $4, owner = $5, updated_at = now() \
-             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence < $4 \
+            "UPDATE checkpoints SET fence = $4, owner = $5, updated_at = now(), \
+             release_requested = (pending_op IS NOT NULL), reserved_for = NULL, reserved_until = NULL \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence < $4 AND NOT retired \
              RETURNING range, cursor, version, fence",
         )
         .bind(&shard.task)
@@ -454,9 +493,10 @@ impl ControlDb {
         conn: &mut sqlx::PgConnection,
         shard: &ShardKey,
         fence: u64,
-    ) -> Result<(Cursor, u64, Option<String>), CoordinatorError> {
+    ) -> Result<LockedCheckpoint, CoordinatorError> {
         let row = sqlx::query(
-            "SELECT c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason, t.current_epoch FROM checkpoints c \
+            "SELECT c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason, t.current_epoch, c.retired, \
+             c.release_requested FROM checkpoints c \
              JOIN tasks t ON t.name = c.task \
              WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3 FOR UPDATE OF c",
         )
@@ -481,6 +521,12 @@ impl ControlDb {
             });
         }
         let current_epoch = row.get::<i64, _>(5) as u64;
+        if row.get::<bool, _>(6) {
+            return Err(CoordinatorError::ShardRetired {
+                task: shard.task.clone(),
+                shard: shard.shard_id,
+            });
+        }
         if current_epoch != shard.epoch {
             return Err(CoordinatorError::EpochSuperseded {
                 task: shard.task.clone(),
@@ -494,14 +540,21 @@ impl ControlDb {
                 reason,
             });
         }
-        Ok((decode_cursor(row.get(0))?, row.get::<i64, _>(1) as u64, row.get(3)))
+        Ok(LockedCheckpoint {
+            cursor: decode_cursor(row.get(0))?,
+            version: row.get::<i64, _>(1) as u64,
+            last_batch_id: row.get(3),
+            release_requested: row.get(7),
+        })
     }
 
     /// Records a staged batch. Its bounds are fixed from here on (invariant 2): registering the
     /// same id again with other content is refused.
     pub async fn register_batch(&self, batch: &RegisterBatch<'_>) -> Result<(), CoordinatorError> {
         let mut tx = self.pool.begin().await?;
-        let (cursor, _, _) = Self::lock_checkpoint(tx.acquire().await?, batch.shard, batch.fence).await?;
+        let cursor = Self::lock_checkpoint(tx.acquire().await?, batch.shard, batch.fence)
+            .await?
+            .cursor;
         if &cursor != batch.lower {
             return Err(CoordinatorError::CheckpointConflict {
                 task: batch.shard.task.clone(),
@@ -554,7 +607,7 @@ impl ControlDb {
     ///
     /// A retry of a commit that already succeeded (its reply was lost) is recognised by the
     /// stored cursor and last batch id and answered with the current version.
-    pub async fn commit_batch(&self, commit: &CommitBatch<'_>) -> Result<u64, CoordinatorError> {
+    pub async fn commit_batch(&self, commit: &CommitBatch<'_>) -> Result<Committed, CoordinatorError> {
         let shard = commit.shard;
         let conflict = |message: String| CoordinatorError::CheckpointConflict {
             task: shard.task.clone(),
@@ -562,14 +615,22 @@ impl ControlDb {
             message,
         };
         let mut tx = self.pool.begin().await?;
-        let (cursor, version, last_batch_id) = Self::lock_checkpoint(tx.acquire().await?, shard, commit.fence).await?;
+        let LockedCheckpoint {
+            cursor,
+            version,
+            last_batch_id,
+            release_requested,
+        } = Self::lock_checkpoint(tx.acquire().await?, shard, commit.fence).await?;
         if !commit.empty
             && &cursor == commit.upper
             && last_batch_id.as_deref() == Some(commit.batch_id)
             && version == commit.expected_version + 1
         {
             tx.commit().await?;
-            return Ok(version);
+            return Ok(Committed {
+                new_version: version,
+                release_requested,
+            });
         }
         if version != commit.expected_version {
             return Err(conflict(format!(
@@ -663,7 +724,10 @@ impl ControlDb {
             .await?;
         }
         tx.commit().await?;
-        Ok(new_version)
+        Ok(Committed {
+            new_version,
+            release_requested,
+        })
     }
 
     /// Marks a staged batch ABANDONED on behalf of the shard's current owner and bumps the
@@ -713,7 +777,7 @@ impl ControlDb {
         let rows = sqlx::query(
             "SELECT t.name, t.current_epoch, t.paused_reason, c.shard_id, c.range, c.phase, c.cursor, c.rows_applied \
              FROM tasks t JOIN checkpoints c ON c.task = t.name AND c.epoch = t.current_epoch \
-             ORDER BY t.name, c.shard_id",
+             WHERE NOT c.retired ORDER BY t.name, c.shard_id",
         )
         .fetch_all(&self.pool)
         .await?;

@@ -22,10 +22,16 @@ pub enum CoordinatorError {
     /// The shard belongs to an epoch that `tasks reinit` replaced.
     #[error("epoch {epoch} of task {task} was replaced by epoch {current}")]
     EpochSuperseded { task: String, epoch: u64, current: u64 },
+    /// The shard was split or merged into new shards.
+    #[error("shard {shard} of task {task} was split or merged; it no longer exists")]
+    ShardRetired { task: String, shard: u32 },
     #[error("task {task} is paused: {reason}")]
     Paused { task: String, reason: String },
     #[error("unknown task {0}")]
     UnknownTask(String),
+    /// This replica is not the leader; the caller should try another address.
+    #[error("not the leader{}", leader.as_deref().map(|l| format!("; the leader is {l}")).unwrap_or_default())]
+    NotLeader { leader: Option<String> },
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     #[error("task {task}: {message}")]
@@ -65,7 +71,8 @@ impl From<CoordinatorError> for tonic::Status {
             // FAILED_PRECONDITION tells the worker to drop the shard; the checkpoint did not move.
             CoordinatorError::Fenced { .. }
             | CoordinatorError::Paused { .. }
-            | CoordinatorError::EpochSuperseded { .. } => tonic::Status::failed_precondition(message),
+            | CoordinatorError::EpochSuperseded { .. }
+            | CoordinatorError::ShardRetired { .. } => tonic::Status::failed_precondition(message),
             CoordinatorError::CheckpointConflict { .. } | CoordinatorError::Batch { .. } => {
                 tonic::Status::aborted(message)
             }
@@ -74,7 +81,9 @@ impl From<CoordinatorError> for tonic::Status {
                 tonic::Status::invalid_argument(message)
             }
             CoordinatorError::TaskSetup { .. } => tonic::Status::failed_precondition(message),
-            CoordinatorError::ControlDb(_) | CoordinatorError::Etcd(_) => tonic::Status::unavailable(message),
+            CoordinatorError::ControlDb(_) | CoordinatorError::Etcd(_) | CoordinatorError::NotLeader { .. } => {
+                tonic::Status::unavailable(message)
+            }
         }
     }
 }

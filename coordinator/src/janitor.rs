@@ -11,11 +11,15 @@ use tidemark_common::staging::Staging;
 
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
+use crate::leader::Leadership;
 
-pub async fn collect_staging(control: ControlDb, staging: Staging, retention: Duration) {
+pub async fn collect_staging(control: ControlDb, staging: Staging, retention: Duration, leadership: Leadership) {
     let interval = retention.clamp(Duration::from_secs(1), Duration::from_secs(60));
     loop {
         tokio::time::sleep(interval).await;
+        if !leadership.is_leader() {
+            continue;
+        }
         match collect_once(&control, &staging, retention).await {
             Ok(0) => {}
             Ok(deleted) => tracing::info!(deleted, "staging objects collected"),

@@ -38,6 +38,14 @@ impl Leases {
         self.ttl
     }
 
+    pub(crate) fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     fn owner_key(&self, shard: &ShardKey) -> String {
         format!(
             "{}/owners/{}/{}/{}",

@@ -1,10 +1,13 @@
 //! The Tidemark coordinator: plans shards, leases them to workers through etcd, and keeps
 //! fenced checkpoints in the control database.
 
+pub mod admin_cli;
 pub mod checkpoints;
 pub mod error;
 pub mod janitor;
+pub mod leader;
 pub mod leases;
+pub mod operations;
 pub mod planner;
 pub mod reconcile_runs;
 pub mod service;

@@ -7,14 +7,15 @@ use backon::{ExponentialBuilder, Retryable};
 use clap::{Parser, Subcommand};
 use tidemark_common::config::Config;
 use tidemark_common::redact::redact_url;
+use tidemark_coordinator::admin_cli;
 use tidemark_coordinator::checkpoints::ControlDb;
 use tidemark_coordinator::error::CoordinatorError;
+use tidemark_coordinator::leader::{Leadership, campaign};
 use tidemark_coordinator::leases::Leases;
+use tidemark_coordinator::operations::run_operations;
 use tidemark_coordinator::planner::prepare_task;
 use tidemark_coordinator::service::{Coordinator, CoordinatorService};
-use tidemark_coordinator::status;
 use tidemark_coordinator::watcher::watch_source;
-use tidemark_proto::v1::admin_service_client::AdminServiceClient;
 use tidemark_proto::v1::admin_service_server::AdminServiceServer;
 use tidemark_proto::v1::worker_service_server::WorkerServiceServer;
 
@@ -29,6 +30,14 @@ struct Cli {
     command: Command,
 }
 
+/// Where the admin commands reach the coordinator: one or more replica addresses.
+#[derive(clap::Args, Clone)]
+struct Target {
+    /// Coordinator replica URLs, comma-separated (e.g. http://a:7400,http://b:7400).
+    #[arg(long, env = "TIDEMARK_COORDINATOR")]
+    coordinator: String,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the coordinator with a config file.
@@ -38,16 +47,32 @@ enum Command {
     },
     /// Show tasks, shards and watermarks.
     Status {
-        #[arg(long, env = "TIDEMARK_COORDINATOR")]
-        coordinator: String,
+        #[command(flatten)]
+        target: Target,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Refresh in place (plain lines when the output is not a terminal).
+        #[arg(long, conflicts_with = "json")]
+        watch: bool,
+        /// Refresh interval for --watch.
+        #[arg(long, default_value = "2s")]
+        interval: String,
     },
-    /// Pause or resume a task.
+    /// List, pause, resume or reinitialize tasks.
     Tasks {
         #[command(subcommand)]
         action: TaskAction,
+    },
+    /// List, split, merge and move shards (safe while tasks run).
+    Shards {
+        #[command(subcommand)]
+        action: ShardAction,
+    },
+    /// List and drain workers.
+    Workers {
+        #[command(subcommand)]
+        action: WorkerAction,
     },
     /// Prepare a task's source table.
     Source {
@@ -68,8 +93,8 @@ enum Command {
         /// Return once the run is started instead of waiting for it.
         #[arg(long)]
         no_wait: bool,
-        #[arg(long, env = "TIDEMARK_COORDINATOR")]
-        coordinator: String,
+        #[command(flatten)]
+        target: Target,
         #[arg(long)]
         json: bool,
     },
@@ -77,26 +102,94 @@ enum Command {
 
 #[derive(Subcommand)]
 enum TaskAction {
+    /// Every task with its phase, epoch and watermark.
+    List {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
     /// Stop a task: no shard of it can be acquired and no batch of it commits.
     Pause {
         task: String,
-        #[arg(long, env = "TIDEMARK_COORDINATOR")]
-        coordinator: String,
+        #[command(flatten)]
+        target: Target,
         #[arg(long, default_value = "paused by operator")]
         reason: String,
     },
     /// Resume a paused task after its cause was fixed.
     Resume {
         task: String,
-        #[arg(long, env = "TIDEMARK_COORDINATOR")]
-        coordinator: String,
+        #[command(flatten)]
+        target: Target,
     },
     /// Start a fresh baseline (a new epoch: full snapshot, then a full reconciliation) for a
     /// task that needs reinitialization.
     Reinit {
         task: String,
-        #[arg(long, env = "TIDEMARK_COORDINATOR")]
-        coordinator: String,
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+#[derive(Subcommand)]
+enum ShardAction {
+    /// Shards of the current epochs: range, owner, phase, rows, fence, pending operation.
+    List {
+        #[arg(long)]
+        task: Option<String>,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Split a shard in two at a value of the first key column (default: its median key).
+    Split {
+        #[arg(long)]
+        task: String,
+        #[arg(long)]
+        shard: u32,
+        #[arg(long)]
+        at: Option<String>,
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Merge two adjacent shards into one.
+    Merge {
+        #[arg(long)]
+        task: String,
+        first: u32,
+        second: u32,
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Hand a shard to another worker (its batch in flight finishes first).
+    Move {
+        #[arg(long)]
+        task: String,
+        #[arg(long)]
+        shard: u32,
+        #[arg(long)]
+        to: String,
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+#[derive(Subcommand)]
+enum WorkerAction {
+    /// Registered workers, their liveness and shards.
+    List {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Take every shard away from a worker and give it none until it registers again.
+    Drain {
+        worker: String,
+        #[command(flatten)]
+        target: Target,
     },
 }
 
@@ -117,41 +210,117 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     tidemark_common::telemetry::init_logging();
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-    let result = runtime.block_on(async {
-        match cli.command {
-            Command::Serve { config } => serve(config).await,
-            Command::Status { coordinator, json } => show_status(coordinator, json).await,
-            Command::Tasks { action } => task_action(action).await,
-            Command::Source {
-                action: SourceAction::Install { task, config },
-            } => {
-                let config = Config::load(&config)?;
-                let task = config
-                    .tasks
-                    .iter()
-                    .find(|t| t.name == task)
-                    .ok_or_else(|| anyhow::anyhow!("no task named {task:?} in the config"))?;
-                for line in tidemark_coordinator::source_install::install(task).await? {
-                    println!("{line}");
-                }
-                Ok(())
-            }
-            Command::Reconcile {
-                task,
-                since,
-                full: _,
-                no_wait,
-                coordinator,
-                json,
-            } => reconcile(coordinator, task, since, no_wait, json).await,
-        }
-    });
+    let result = runtime.block_on(run(cli.command));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {}", format!("{error:#}").replace('\n', " "));
             ExitCode::from(2)
         }
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    use admin_cli::Operation;
+    use tidemark_proto::v1 as pb;
+    match command {
+        Command::Serve { config } => serve(config).await,
+        Command::Status {
+            target,
+            json,
+            watch,
+            interval,
+        } => {
+            if watch {
+                let interval = tidemark_common::duration::parse_duration(&interval)
+                    .map_err(|e| anyhow::anyhow!("--interval: {e}"))?;
+                admin_cli::watch_status(&target.coordinator, interval).await
+            } else {
+                admin_cli::show_status(&target.coordinator, json).await
+            }
+        }
+        Command::Tasks { action } => match action {
+            TaskAction::List { target, json } => admin_cli::tasks_list(&target.coordinator, json).await,
+            TaskAction::Pause { task, target, reason } => {
+                admin_cli::task_change(&target.coordinator, task, "pause", reason).await
+            }
+            TaskAction::Resume { task, target } => {
+                admin_cli::task_change(&target.coordinator, task, "resume", String::new()).await
+            }
+            TaskAction::Reinit { task, target } => {
+                admin_cli::task_change(&target.coordinator, task, "reinit", String::new()).await
+            }
+        },
+        Command::Shards { action } => match action {
+            ShardAction::List { task, target, json } => admin_cli::shards_list(&target.coordinator, task, json).await,
+            ShardAction::Split {
+                task,
+                shard,
+                at,
+                target,
+            } => {
+                let request = pb::SplitShardRequest {
+                    task,
+                    shard_id: shard,
+                    at: at.unwrap_or_default(),
+                };
+                admin_cli::operation(&target.coordinator, Operation::Split(request)).await
+            }
+            ShardAction::Merge {
+                task,
+                first,
+                second,
+                target,
+            } => {
+                let request = pb::MergeShardsRequest {
+                    task,
+                    shard_a: first,
+                    shard_b: second,
+                };
+                admin_cli::operation(&target.coordinator, Operation::Merge(request)).await
+            }
+            ShardAction::Move {
+                task,
+                shard,
+                to,
+                target,
+            } => {
+                let request = pb::MoveShardRequest {
+                    task,
+                    shard_id: shard,
+                    worker: to,
+                };
+                admin_cli::operation(&target.coordinator, Operation::Move(request)).await
+            }
+        },
+        Command::Workers { action } => match action {
+            WorkerAction::List { target, json } => admin_cli::workers_list(&target.coordinator, json).await,
+            WorkerAction::Drain { worker, target } => {
+                admin_cli::operation(&target.coordinator, Operation::Drain(pb::DrainWorkerRequest { worker })).await
+            }
+        },
+        Command::Source {
+            action: SourceAction::Install { task, config },
+        } => {
+            let config = Config::load(&config)?;
+            let task = config
+                .tasks
+                .iter()
+                .find(|t| t.name == task)
+                .ok_or_else(|| anyhow::anyhow!("no task named {task:?} in the config"))?;
+            for line in tidemark_coordinator::source_install::install(task).await? {
+                println!("{line}");
+            }
+            Ok(())
+        }
+        Command::Reconcile {
+            task,
+            since,
+            full: _,
+            no_wait,
+            target,
+            json,
+        } => admin_cli::reconcile(&target.coordinator, task, since, no_wait, json).await,
     }
 }
 
@@ -176,11 +345,16 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         .notify(|error, delay| tracing::warn!(%error, ?delay, "control database unreachable; retrying"))
         .await
         .with_context(|| format!("control database {}", redact_url(&settings.control_db)))?;
+    let leadership = Leadership::default();
+    let advertise = settings
+        .advertise
+        .clone()
+        .unwrap_or_else(|| format!("http://{}", settings.listen));
     // Bad tasks (missing tables, nullable keys, …) fail before anything else is contacted.
     let mut tasks = std::collections::HashMap::new();
     for task in &config.tasks {
         let prepared = prepare_task(&control, task).await?;
-        tokio::spawn(watch_source(control.clone(), prepared.clone()));
+        tokio::spawn(watch_source(control.clone(), prepared.clone(), leadership.clone()));
         tasks.insert(task.name.clone(), prepared);
     }
     let leases = (|| Leases::connect(&settings.etcd_endpoints, &settings.etcd_prefix, settings.lease_ttl))
@@ -202,12 +376,23 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         control.clone(),
         staging,
         settings.staging_retention,
+        leadership.clone(),
+    ));
+    tokio::spawn(campaign(leases.clone(), advertise.clone(), leadership.clone()));
+    tokio::spawn(run_operations(
+        control.clone(),
+        leases.clone(),
+        tasks.clone(),
+        leadership.clone(),
+        settings.balance,
     ));
     let service = CoordinatorService::new(Coordinator {
         control,
         leases,
         tasks,
         staging_url: settings.staging.clone(),
+        leadership,
+        address: advertise,
     });
     let address: std::net::SocketAddr = settings.listen.parse().expect("validated in config");
     let listener = tokio::net::TcpListener::bind(address)
@@ -243,111 +428,4 @@ async fn shutdown_signal() {
         _ = terminate.recv() => {}
     }
     tracing::info!("shutdown requested");
-}
-
-async fn admin_client(coordinator: &str) -> anyhow::Result<AdminServiceClient<tonic::transport::Channel>> {
-    AdminServiceClient::connect(coordinator.to_string())
-        .await
-        .with_context(|| format!("cannot reach coordinator {coordinator}"))
-}
-
-async fn reconcile(
-    coordinator: String,
-    task: String,
-    since: Option<String>,
-    no_wait: bool,
-    json: bool,
-) -> anyhow::Result<()> {
-    let window_ms = since
-        .map(|text| tidemark_common::duration::parse_duration(&text).map(|d| d.as_millis() as u64))
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("--since: {e}"))?;
-    let mut client = admin_client(&coordinator).await?;
-    let status_error = |s: tonic::Status| anyhow::anyhow!("{}", s.message());
-    let mut run = client
-        .reconcile(tidemark_proto::v1::ReconcileRequest { task, window_ms })
-        .await
-        .map_err(status_error)?
-        .into_inner();
-    if !json {
-        eprintln!("reconciliation run {} started", run.run_id);
-    }
-    while !no_wait && !run.finished {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        run = client
-            .reconcile_status(tidemark_proto::v1::ReconcileStatusRequest { run_id: run.run_id })
-            .await
-            .map_err(status_error)?
-            .into_inner();
-    }
-    if json {
-        println!("{}", serde_json::to_string_pretty(&status::reconcile_json(&run))?);
-    } else {
-        println!("{}", status::reconcile_line(&run));
-    }
-    Ok(())
-}
-
-async fn task_action(action: TaskAction) -> anyhow::Result<()> {
-    if let TaskAction::Reinit { task, coordinator } = action {
-        let response = admin_client(&coordinator)
-            .await?
-            .reinit_task(tidemark_proto::v1::TaskRequest {
-                task: task.clone(),
-                reason: String::new(),
-            })
-            .await
-            .map_err(|s| anyhow::anyhow!("{}", s.message()))?
-            .into_inner();
-        println!(
-            "task {task} reinitialized: epoch {} snapshots the table again; reconciliation run {} removes keys deleted meanwhile",
-            response.epoch, response.reconcile_run_id
-        );
-        return Ok(());
-    }
-    let (coordinator, request, resume) = match action {
-        TaskAction::Pause {
-            task,
-            coordinator,
-            reason,
-        } => (coordinator, tidemark_proto::v1::TaskRequest { task, reason }, false),
-        TaskAction::Resume { task, coordinator } => (
-            coordinator,
-            tidemark_proto::v1::TaskRequest {
-                task,
-                reason: String::new(),
-            },
-            true,
-        ),
-        TaskAction::Reinit { .. } => unreachable!("handled above"),
-    };
-    let mut client = AdminServiceClient::connect(coordinator.clone())
-        .await
-        .with_context(|| format!("cannot reach coordinator {coordinator}"))?;
-    let task = request.task.clone();
-    let result = if resume {
-        client.resume_task(request).await
-    } else {
-        client.pause_task(request).await
-    };
-    result.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
-    println!("task {task} {}", if resume { "resumed" } else { "paused" });
-    Ok(())
-}
-
-async fn show_status(coordinator: String, json: bool) -> anyhow::Result<()> {
-    let mut client = AdminServiceClient::connect(coordinator.clone())
-        .await
-        .with_context(|| format!("cannot reach coordinator {coordinator}"))?;
-    let status = client
-        .status(tidemark_proto::v1::StatusRequest {})
-        .await
-        .map_err(|s| anyhow::anyhow!("{}", s.message()))?
-        .into_inner();
-    if json {
-        println!("{}", serde_json::to_string_pretty(&status::to_json(&status))?);
-    } else {
-        print!("{}", status::to_table(&status));
-    }
-    Ok(())
 }

@@ -512,6 +512,13 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
             h0_max,
         )
     };
+    let estimated_rows: Option<i64> =
+        sqlx::query_scalar("SELECT reltuples::bigint FROM pg_class WHERE oid = $1::regclass")
+            .bind(table.quoted())
+            .fetch_optional(source)
+            .await
+            .map_err(reading)?
+            .filter(|n: &i64| *n >= 0);
     let columns_json = serde_json::to_value(
         columns
             .iter()
@@ -530,6 +537,7 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
         // converge (convergent, not log-exact).
         incremental_start: Cursor::incremental_at(epoch, h0_time_micros),
         ranges: plan_ranges(&domain, config.shards).iter().map(|r| r.encode()).collect(),
+        estimated_rows,
     })
 }
 

@@ -67,7 +67,7 @@ impl ControlDb {
         sqlx::query(
             "INSERT INTO reconcile_shards (run_id, shard_id, state) \
              SELECT $1, c.shard_id, 'PENDING' FROM checkpoints c JOIN reconcile_runs r ON r.id = $1 \
-             WHERE c.task = r.task AND c.epoch = r.epoch",
+             WHERE c.task = r.task AND c.epoch = r.epoch AND NOT c.retired",
         )
         .bind(id)
         .execute(&mut *tx)

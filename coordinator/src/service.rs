@@ -15,7 +15,9 @@ use tidemark_common::contract::{self, Contract};
 use crate::checkpoints::ShardStatusRow;
 use crate::checkpoints::{CommitBatch, ControlDb, EpochRecord, RegisterBatch, ShardKey, parse_request_cursor};
 use crate::error::CoordinatorError;
+use crate::leader::Leadership;
 use crate::leases::Leases;
+use crate::operations::{request_merge, request_move, request_split};
 use crate::planner::PreparedTask;
 use crate::planner::{delete_spec, epoch_columns, reinit_task};
 use crate::reconcile_runs::ShardReconcile;
@@ -25,6 +27,9 @@ pub struct Coordinator {
     pub leases: Leases,
     pub tasks: HashMap<String, PreparedTask>,
     pub staging_url: String,
+    pub leadership: Leadership,
+    /// This replica's address, as clients reach it.
+    pub address: String,
 }
 
 #[derive(Clone)]
@@ -91,7 +96,10 @@ impl CoordinatorService {
         }
         // Paused tasks are filtered in the control database, which every replica shares.
         let active: Vec<String> = coordinator.tasks.keys().cloned().collect();
-        let candidates = coordinator.control.shard_candidates(&active).await?;
+        if coordinator.control.worker_draining(worker_id).await? {
+            return Ok(None);
+        }
+        let candidates = coordinator.control.shard_candidates(&active, worker_id).await?;
         let owners = coordinator.leases.owners().await?;
         for shard in candidates.into_iter().filter(|s| !owners.contains_key(s)) {
             let Some(fence) = coordinator.leases.try_claim(&shard, worker_id, lease_id).await? else {
@@ -182,11 +190,16 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::RegisterWorkerRequest>,
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         if request.worker_id.is_empty() {
             return Err(CoordinatorError::InvalidRequest("worker_id is empty".into()).into());
         }
         let lease_id = self.inner.leases.grant_worker_lease().await?;
+        self.inner
+            .control
+            .register_worker_row(&request.worker_id, lease_id)
+            .await?;
         let ttl = self.inner.leases.ttl();
         tracing::info!(worker = %request.worker_id, lease_id, "worker registered");
         Ok(Response::new(pb::RegisterWorkerResponse {
@@ -200,8 +213,12 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         let lease_alive = self.inner.leases.keep_alive(request.lease_id).await?;
+        if lease_alive {
+            self.inner.control.worker_seen(&request.worker_id).await?;
+        }
         if !lease_alive {
             tracing::warn!(worker = %request.worker_id, lease_id = request.lease_id, "heartbeat for an expired lease");
         }
@@ -212,6 +229,7 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::AcquireShardRequest>,
     ) -> Result<Response<pb::AcquireShardResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         let assignment = self.acquire(&request.worker_id, request.lease_id).await?;
         Ok(Response::new(pb::AcquireShardResponse { assignment }))
@@ -221,6 +239,7 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::RegisterBatchRequest>,
     ) -> Result<Response<pb::RegisterBatchResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         self.task(&request.task)?;
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
@@ -247,6 +266,7 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::CommitBatchRequest>,
     ) -> Result<Response<pb::CommitBatchResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         self.task(&request.task)?;
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
@@ -269,9 +289,12 @@ impl WorkerService for CoordinatorService {
             })
             .await;
         match result {
-            Ok(new_version) => {
+            Ok(committed) => {
                 tidemark_common::crash::point("commit_before_reply");
-                Ok(Response::new(pb::CommitBatchResponse { new_version }))
+                Ok(Response::new(pb::CommitBatchResponse {
+                    new_version: committed.new_version,
+                    release: committed.release_requested,
+                }))
             }
             Err(error) => {
                 tracing::warn!(task = %shard.task, shard = shard.shard_id, worker = %request.worker_id, %error, "commit refused");
@@ -284,6 +307,7 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::AbandonBatchRequest>,
     ) -> Result<Response<pb::AbandonBatchResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         self.task(&request.task)?;
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
@@ -303,16 +327,23 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::ShardWorkRequest>,
     ) -> Result<Response<pb::ShardWorkResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
-        let reconcile = self.inner.control.next_reconcile(&shard).await?;
-        Ok(Response::new(pb::ShardWorkResponse { reconcile }))
+        let release = self.inner.control.release_requested(&shard).await?;
+        let reconcile = if release {
+            None
+        } else {
+            self.inner.control.next_reconcile(&shard).await?
+        };
+        Ok(Response::new(pb::ShardWorkResponse { reconcile, release }))
     }
 
     async fn report_reconcile(
         &self,
         request: Request<pb::ReportReconcileRequest>,
     ) -> Result<Response<pb::ReportReconcileResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
         let result = ShardReconcile {
@@ -338,6 +369,7 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::ReleaseShardRequest>,
     ) -> Result<Response<pb::ReleaseShardResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
         self.inner.leases.release(&shard, request.fence_token).await?;
@@ -377,6 +409,12 @@ impl AdminService for CoordinatorService {
                 warnings.extend(retention_warning(&task.shards, *retention));
             }
             let last_reconcile = self.inner.control.last_reconcile(&task.name).await?;
+            let estimated_rows = self
+                .inner
+                .control
+                .estimated_rows(&task.name, task.epoch)
+                .await?
+                .unwrap_or(0);
             let snapshot_complete = task.shards.iter().all(|s| s.cursor.is_incremental());
             let watermark_micros = if snapshot_complete {
                 task.shards.iter().filter_map(|s| s.cursor.incremental_time()).min()
@@ -428,12 +466,18 @@ impl AdminService for CoordinatorService {
                 overlap_ms: overlap.as_millis() as u64,
                 contract: config.map(|c| contract_proto(&contract::derive(c))),
                 last_reconcile,
+                estimated_rows,
             });
         }
-        Ok(Response::new(pb::StatusResponse { tasks }))
+        Ok(Response::new(pb::StatusResponse {
+            tasks,
+            leader: self.inner.leadership.leader_address().await.unwrap_or_default(),
+            served_by: self.inner.address.clone(),
+        }))
     }
 
     async fn pause_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::TaskResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         self.task(&request.task)?;
         let reason = if request.reason.is_empty() {
@@ -448,8 +492,15 @@ impl AdminService for CoordinatorService {
     }
 
     async fn reconcile(&self, request: Request<pb::ReconcileRequest>) -> Result<Response<pb::ReconcileRun>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
-        self.task(&request.task)?;
+        if self.task(&request.task)?.config.mode == TaskMode::Append {
+            return Err(CoordinatorError::InvalidRequest(format!(
+                "task {} is append-only: it reads inserts by key and has no versions to reconcile",
+                request.task
+            ))
+            .into());
+        }
         let since_micros = request.window_ms.map(|ms| now_micros() - (ms as i64) * 1000);
         let run_id = self
             .inner
@@ -476,6 +527,7 @@ impl AdminService for CoordinatorService {
     }
 
     async fn reinit_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::ReinitResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         let task = self.task(&request.task)?;
         let epoch = reinit_task(&self.inner.control, &task.config).await?;
@@ -492,7 +544,120 @@ impl AdminService for CoordinatorService {
         }))
     }
 
+    async fn list_shards(&self, request: Request<pb::ListShardsRequest>) -> Result<Response<pb::ShardList>, Status> {
+        let request = request.into_inner();
+        let task = Some(request.task.as_str()).filter(|t| !t.is_empty());
+        if let Some(task) = task {
+            self.task(task)?;
+        }
+        let owners = self.inner.leases.owners().await?;
+        let shards = self
+            .inner
+            .control
+            .list_shards(task)
+            .await?
+            .into_iter()
+            .map(|shard| pb::ShardInfo {
+                owner: owners.get(&shard.key).map(|(w, _)| w.clone()).unwrap_or_default(),
+                task: shard.key.task.clone(),
+                epoch: shard.key.epoch,
+                shard_id: shard.key.shard_id,
+                range: shard.range.encode(),
+                phase: shard.phase.to_lowercase(),
+                cursor: shard.cursor.encode(),
+                rows_applied: shard.rows_applied,
+                fence: shard.fence,
+                pending_op: shard.pending_op.map(|op| op.describe()).unwrap_or_default(),
+                reserved_for: shard.reserved_for.unwrap_or_default(),
+            })
+            .collect();
+        Ok(Response::new(pb::ShardList { shards }))
+    }
+
+    async fn split_shard(
+        &self,
+        request: Request<pb::SplitShardRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        self.inner.leadership.require().await?;
+        let request = request.into_inner();
+        let task = self.task(&request.task)?;
+        let at = Some(request.at).filter(|a| !a.is_empty());
+        let message = request_split(&self.inner.control, task, request.shard_id, at).await?;
+        tracing::info!(task = %request.task, %message, "operator request");
+        Ok(Response::new(pb::OperationResponse { message }))
+    }
+
+    async fn merge_shards(
+        &self,
+        request: Request<pb::MergeShardsRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        self.inner.leadership.require().await?;
+        let request = request.into_inner();
+        self.task(&request.task)?;
+        let message = request_merge(&self.inner.control, &request.task, request.shard_a, request.shard_b).await?;
+        tracing::info!(task = %request.task, %message, "operator request");
+        Ok(Response::new(pb::OperationResponse { message }))
+    }
+
+    async fn move_shard(
+        &self,
+        request: Request<pb::MoveShardRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        self.inner.leadership.require().await?;
+        let request = request.into_inner();
+        self.task(&request.task)?;
+        let message = request_move(&self.inner.control, &request.task, request.shard_id, &request.worker).await?;
+        tracing::info!(task = %request.task, %message, "operator request");
+        Ok(Response::new(pb::OperationResponse { message }))
+    }
+
+    async fn list_workers(
+        &self,
+        _request: Request<pb::ListWorkersRequest>,
+    ) -> Result<Response<pb::WorkerList>, Status> {
+        let owners = self.inner.leases.owners().await?;
+        let ttl = self.inner.leases.ttl().as_secs_f64();
+        let workers = self
+            .inner
+            .control
+            .list_workers()
+            .await?
+            .into_iter()
+            .map(|w| {
+                let mut shards: Vec<String> = owners
+                    .iter()
+                    .filter(|(_, (owner, _))| owner == &w.id)
+                    .map(|(shard, _)| format!("{}/{}", shard.task, shard.shard_id))
+                    .collect();
+                shards.sort();
+                pb::WorkerInfo {
+                    alive: w.seconds_since_seen < ttl,
+                    id: w.id,
+                    lease_id: w.lease_id,
+                    draining: w.draining,
+                    seconds_since_seen: w.seconds_since_seen,
+                    shards,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::WorkerList { workers }))
+    }
+
+    async fn drain_worker(
+        &self,
+        request: Request<pb::DrainWorkerRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        self.inner.leadership.require().await?;
+        let worker = request.into_inner().worker;
+        self.inner.control.drain_worker(&worker).await?;
+        tracing::info!(%worker, "worker draining");
+        Ok(Response::new(pb::OperationResponse {
+            message: format!("worker {worker} is draining: it takes no new shard and gives back the ones it has"),
+        }))
+    }
+
     async fn resume_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::TaskResponse>, Status> {
+        self.inner.leadership.require().await?;
         let request = request.into_inner();
         self.task(&request.task)?;
         self.inner.control.resume_task(&request.task).await?;

@@ -166,3 +166,80 @@ pub fn to_table(status: &pb::StatusResponse) -> String {
     }
     out
 }
+
+/// The `status --watch` screen: per task a snapshot progress bar (rows done / estimated total,
+/// rows/s, ETA) or the watermark lag, and per worker its shards. `rates` are rows/s per task
+/// measured between refreshes. Without a terminal the bar is plain text all the same.
+pub fn to_watch(
+    status: &pb::StatusResponse,
+    rates: &std::collections::HashMap<String, f64>,
+    _terminal: bool,
+) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64);
+    let mut out = format!(
+        "leader {}  (answered by {})\n",
+        if status.leader.is_empty() {
+            "none elected"
+        } else {
+            &status.leader
+        },
+        status.served_by
+    );
+    let mut workers: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for task in &status.tasks {
+        let rate = rates.get(&task.name).copied().unwrap_or(0.0);
+        out.push_str(&format!("task {}  epoch {}  {}\n", task.name, task.epoch, task.phase));
+        if !task.snapshot_complete {
+            let done = task.rows_applied;
+            let total = task.estimated_rows.max(done);
+            let fraction = if total == 0 { 0.0 } else { done as f64 / total as f64 };
+            let width = 30;
+            let filled = ((fraction * width as f64).round() as usize).min(width);
+            let eta = if rate > 0.0 && total > done {
+                format!("{:.0}s", (total - done) as f64 / rate)
+            } else {
+                "-".to_string()
+            };
+            out.push_str(&format!(
+                "  snapshot [{}{}] {done}/{}{} ({:.0}%)  {:.0} rows/s  ETA {eta}\n",
+                "#".repeat(filled),
+                "-".repeat(width - filled),
+                if task.estimated_rows == 0 { "~" } else { "" },
+                total,
+                fraction * 100.0,
+                rate
+            ));
+        } else if let Some(watermark) = task.watermark_micros {
+            out.push_str(&format!(
+                "  watermark {}  lag {:.1}s  {:.0} rows/s\n",
+                format_micros(watermark),
+                (now - watermark) as f64 / 1e6,
+                rate
+            ));
+        }
+        if !task.paused_reason.is_empty() {
+            out.push_str(&format!("  paused: {}\n", task.paused_reason));
+        }
+        for warning in &task.warnings {
+            out.push_str(&format!("  warning: {warning}\n"));
+        }
+        for shard in &task.shards {
+            let owner = if shard.owner.is_empty() {
+                "(unowned)".to_string()
+            } else {
+                shard.owner.clone()
+            };
+            workers
+                .entry(owner)
+                .or_default()
+                .push(format!("{}/{}", task.name, shard.id));
+        }
+    }
+    out.push_str("workers\n");
+    for (worker, shards) in workers {
+        out.push_str(&format!("  {worker:<20} {}\n", shards.join(" ")));
+    }
+    out
+}

@@ -15,10 +15,11 @@ use tidemark_common::pg::{self, TableName, connect_options, quote_ident};
 
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
+use crate::leader::Leadership;
 use crate::planner::PreparedTask;
 use crate::source_install::purge_function;
 
-pub async fn watch_source(control: ControlDb, task: PreparedTask) {
+pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Leadership) {
     let name = task.config.name.clone();
     let pool = match connect_options(&task.config.source, "tidemark-coordinator") {
         Ok(options) => PgPoolOptions::new().max_connections(1).connect_lazy_with(options),
@@ -30,6 +31,9 @@ pub async fn watch_source(control: ControlDb, task: PreparedTask) {
     let interval = task.config.poll_interval.max(Duration::from_millis(500));
     loop {
         tokio::time::sleep(interval).await;
+        if !leadership.is_leader() {
+            continue;
+        }
         if let Err(error) = check(&control, &task, &pool).await {
             tracing::warn!(task = %name, %error, "source check failed; retrying");
         }

@@ -255,6 +255,8 @@ pub struct TaskSettings {
     /// Environment for the coordinator process.
     pub coordinator_env: Vec<(&'static str, String)>,
     pub staging_retention: &'static str,
+    /// Extra `key = value` lines for the `[coordinator]` table.
+    pub coordinator_extra: String,
 }
 
 impl Default for TaskSettings {
@@ -273,6 +275,7 @@ impl Default for TaskSettings {
             extra: String::new(),
             coordinator_env: Vec::new(),
             staging_retention: "1h",
+            coordinator_extra: String::new(),
         }
     }
 }
@@ -325,6 +328,7 @@ control_db = "{control}"
 staging = "file://{staging}"
 lease_ttl = "{ttl}"
 staging_retention = "{retention}"
+{coordinator_extra}
 
 [[tasks]]
 name = "items"
@@ -347,6 +351,7 @@ open_transaction_bound = {bound}
             staging = self.dir.0.join("staging").display(),
             ttl = task.lease_ttl,
             retention = task.staging_retention,
+            coordinator_extra = task.coordinator_extra,
             source = self.source.url,
             source_table = task.source_table,
             target = self.target.url,

@@ -2,6 +2,8 @@
 //! unreachable are retried with backoff; every call is safe to repeat (registering the same
 //! batch twice is a no-op and a repeated commit is recognised by the coordinator).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
@@ -11,10 +13,12 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::error::WorkerError;
 
+/// A client of the coordinator replicas: calls go to the current one, and a call that finds
+/// it unreachable or not the leader moves on to the next address.
 #[derive(Clone)]
 pub struct CoordinatorClient {
-    inner: WorkerServiceClient<Channel>,
-    address: String,
+    replicas: Arc<Vec<(String, WorkerServiceClient<Channel>)>>,
+    current: Arc<AtomicUsize>,
 }
 
 fn is_unreachable(status: &tonic::Status) -> bool {
@@ -25,19 +29,68 @@ fn is_unreachable(status: &tonic::Status) -> bool {
 }
 
 impl CoordinatorClient {
-    pub fn new(address: &str) -> Result<CoordinatorClient, WorkerError> {
-        let endpoint = Endpoint::from_shared(address.to_string())
-            .map_err(|e| WorkerError::Coordinator(format!("coordinator address {address:?}: {e}")))?
-            .connect_timeout(Duration::from_secs(3))
-            .timeout(Duration::from_secs(30))
-            .tcp_nodelay(true);
+    /// `addresses`: one or more coordinator URLs, comma-separated.
+    pub fn new(addresses: &str) -> Result<CoordinatorClient, WorkerError> {
+        let mut replicas = Vec::new();
+        for address in addresses.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+            let endpoint = Endpoint::from_shared(address.to_string())
+                .map_err(|e| WorkerError::Coordinator(format!("coordinator address {address:?}: {e}")))?
+                .connect_timeout(Duration::from_secs(3))
+                .timeout(Duration::from_secs(30))
+                .tcp_nodelay(true);
+            replicas.push((address.to_string(), WorkerServiceClient::new(endpoint.connect_lazy())));
+        }
+        if replicas.is_empty() {
+            return Err(WorkerError::Coordinator("no coordinator address given".into()));
+        }
         Ok(CoordinatorClient {
-            inner: WorkerServiceClient::new(endpoint.connect_lazy()),
-            address: address.to_string(),
+            replicas: Arc::new(replicas),
+            current: Arc::new(AtomicUsize::new(0)),
         })
     }
 
-    /// Retries while the coordinator is unreachable, for at most `budget`.
+    fn current(&self) -> (usize, &str, WorkerServiceClient<Channel>) {
+        let index = self.current.load(Ordering::SeqCst) % self.replicas.len();
+        let (address, client) = &self.replicas[index];
+        (index, address, client.clone())
+    }
+
+    /// Moves on from replica `index` (unless another call already did).
+    fn fail_over(&self, index: usize) {
+        if self.replicas.len() > 1 {
+            let next = (index + 1) % self.replicas.len();
+            if self
+                .current
+                .compare_exchange(index, next, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                tracing::warn!(from = %self.replicas[index].0, to = %self.replicas[next].0, "switching coordinator replica");
+            }
+        }
+    }
+
+    /// One attempt on each replica at most, starting with the current one.
+    async fn once<T, F, Fut>(&self, f: F) -> Result<T, tonic::Status>
+    where
+        F: Fn(WorkerServiceClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let mut last = None;
+        for _ in 0..self.replicas.len() {
+            let (index, _, client) = self.current();
+            match f(client).await {
+                Ok(response) => return Ok(response.into_inner()),
+                Err(status) if is_unreachable(&status) => {
+                    self.fail_over(index);
+                    last = Some(status);
+                }
+                Err(status) => return Err(status),
+            }
+        }
+        Err(last.expect("at least one replica"))
+    }
+
+    /// Retries while no replica answers, for at most `budget`.
     async fn call<T, F, Fut>(&self, what: &str, budget: Duration, f: F) -> Result<T, tonic::Status>
     where
         F: Fn(WorkerServiceClient<Channel>) -> Fut,
@@ -48,14 +101,13 @@ impl CoordinatorClient {
             .with_max_delay(Duration::from_secs(3))
             .with_total_delay(Some(budget))
             .without_max_times();
-        (|| f(self.inner.clone()))
+        (|| self.once(&f))
             .retry(policy)
             .when(is_unreachable)
             .notify(|status, delay| {
-                tracing::warn!(coordinator = %self.address, call = what, code = ?status.code(), message = status.message(), ?delay, "coordinator call failed; retrying");
+                tracing::warn!(coordinator = %self.current().1, call = what, code = ?status.code(), message = status.message(), ?delay, "coordinator call failed; retrying");
             })
             .await
-            .map(tonic::Response::into_inner)
     }
 
     pub async fn register_worker(&self, worker_id: &str) -> Result<pb::RegisterWorkerResponse, tonic::Status> {
@@ -74,8 +126,13 @@ impl CoordinatorClient {
             worker_id: worker_id.to_string(),
             lease_id,
         };
-        let mut client = self.inner.clone();
-        Ok(client.heartbeat(request).await?.into_inner().lease_alive)
+        Ok(self
+            .once(|mut c| {
+                let request = request.clone();
+                async move { c.heartbeat(request).await }
+            })
+            .await?
+            .lease_alive)
     }
 
     pub async fn acquire_shard(
@@ -87,8 +144,13 @@ impl CoordinatorClient {
             worker_id: worker_id.to_string(),
             lease_id,
         };
-        let mut client = self.inner.clone();
-        Ok(client.acquire_shard(request).await?.into_inner().assignment)
+        Ok(self
+            .once(|mut c| {
+                let request = request.clone();
+                async move { c.acquire_shard(request).await }
+            })
+            .await?
+            .assignment)
     }
 
     pub async fn register_batch(&self, request: pb::RegisterBatchRequest) -> Result<(), WorkerError> {

@@ -40,6 +40,8 @@ pub struct ShardRun {
     pub resources: TaskResources,
     /// Whether the source lets us see every open transaction (checked once per run).
     sees_all_transactions: Option<bool>,
+    /// The coordinator asked for the shard back (a move, split, merge or drain).
+    release_requested: bool,
 }
 
 /// A batch about to be committed: its bounds, how many rows it carried, and the lateness of
@@ -168,6 +170,7 @@ impl ShardRun {
             resources,
             task,
             sees_all_transactions: None,
+            release_requested: false,
         })
     }
 
@@ -188,8 +191,12 @@ impl ShardRun {
                 return Ok(());
             }
             let caught_up = self.step(client).await?;
-            if caught_up && self.cursor.incremental_time().is_some() {
+            if caught_up && !self.release_requested {
                 self.shard_work(client).await?;
+            }
+            if self.release_requested {
+                tracing::info!(task = %self.task.name, shard = self.shard_id, "the coordinator asked for the shard back; releasing it");
+                return Ok(());
             }
             if caught_up {
                 tokio::select! {
@@ -533,7 +540,10 @@ impl ShardRun {
                 fence_token: self.fence,
             })
             .await?;
-        if let Some(order) = work.reconcile {
+        self.release_requested |= work.release;
+        if let Some(order) = work.reconcile
+            && self.cursor.incremental_time().is_some()
+        {
             self.reconcile(client, &order).await?;
         }
         Ok(())
@@ -596,6 +606,7 @@ impl ShardRun {
         );
         self.version = response.new_version;
         self.cursor = bounds.upper;
+        self.release_requested |= response.release;
         Ok(())
     }
 }
