@@ -329,7 +329,6 @@ staging = "file://{staging}"
 lease_ttl = "{ttl}"
 staging_retention = "{retention}"
 {coordinator_extra}
-
 [[tasks]]
 name = "items"
 source = "{source}"

@@ -20,7 +20,7 @@ use tokio::task::JoinSet;
     about = "Tidemark worker: pulls shards from the coordinator and syncs them"
 )]
 struct Cli {
-    /// Coordinator gRPC address, e.g. http://127.0.0.1:7400.
+    /// Coordinator replica gRPC addresses, comma-separated, e.g. http://a:7400,http://b:7400.
     #[arg(long, env = "TIDEMARK_COORDINATOR")]
     coordinator: String,
     /// Worker name; defaults to host name, process id and a random suffix.
