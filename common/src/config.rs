@@ -58,6 +58,12 @@ pub struct CoordinatorConfig {
     /// Even out shards per worker by graceful moves.
     #[serde(default)]
     pub balance: bool,
+    /// Serve Prometheus metrics on this address (`GET /metrics`); off when unset.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// OTLP/gRPC collector for traces; default: `OTEL_EXPORTER_OTLP_ENDPOINT`; off when unset.
+    #[serde(default)]
+    pub otlp_endpoint: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -9,6 +9,7 @@ pub mod copy_text;
 pub mod crash;
 pub mod cursor;
 pub mod duration;
+pub mod metrics;
 pub mod pg;
 pub mod redact;
 pub mod staging;

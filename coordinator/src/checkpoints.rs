@@ -95,6 +95,8 @@ pub(crate) struct LockedCheckpoint {
 pub struct Committed {
     pub new_version: u64,
     pub release_requested: bool,
+    /// A retry of a commit that had already succeeded (its reply was lost).
+    pub repeated: bool,
 }
 
 pub struct CommitBatch<'a> {
@@ -630,6 +632,7 @@ impl ControlDb {
             return Ok(Committed {
                 new_version: version,
                 release_requested,
+                repeated: true,
             });
         }
         if version != commit.expected_version {
@@ -727,6 +730,7 @@ impl ControlDb {
         Ok(Committed {
             new_version,
             release_requested,
+            repeated: false,
         })
     }
 

@@ -7,6 +7,7 @@ pub mod error;
 pub mod janitor;
 pub mod leader;
 pub mod leases;
+pub mod metrics;
 pub mod operations;
 pub mod planner;
 pub mod reconcile_runs;

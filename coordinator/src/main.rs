@@ -7,6 +7,7 @@ use backon::{ExponentialBuilder, Retryable};
 use clap::{Parser, Subcommand};
 use tidemark_common::config::Config;
 use tidemark_common::redact::redact_url;
+use tidemark_common::telemetry::{self, LogFormat};
 use tidemark_coordinator::admin_cli;
 use tidemark_coordinator::checkpoints::ControlDb;
 use tidemark_coordinator::error::CoordinatorError;
@@ -28,6 +29,9 @@ use tidemark_proto::v1::worker_service_server::WorkerServiceServer;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// `human` (default) or `json` log lines on stderr; filter with RUST_LOG.
+    #[arg(long, global = true, default_value = "human", env = "TIDEMARK_LOG_FORMAT")]
+    log_format: LogFormat,
 }
 
 /// Where the admin commands reach the coordinator: one or more replica addresses.
@@ -208,9 +212,24 @@ enum SourceAction {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tidemark_common::telemetry::init_logging();
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-    let result = runtime.block_on(run(cli.command));
+    // Only `serve` exports traces (its endpoint comes from the config, read in `serve`).
+    let serving = matches!(cli.command, Command::Serve { .. });
+    let endpoint = match &cli.command {
+        Command::Serve { config } => Config::load(config).ok().and_then(|c| c.coordinator.otlp_endpoint),
+        _ => Some(String::new()),
+    };
+    let telemetry = {
+        let _guard = runtime.enter();
+        telemetry::init("tidemark-coordinator", cli.log_format, endpoint)
+    };
+    let result = runtime.block_on(async {
+        let result = run(cli.command).await;
+        if serving {
+            telemetry.shutdown().await;
+        }
+        result
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
@@ -386,6 +405,16 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         leadership.clone(),
         settings.balance,
     ));
+    tokio::spawn(tidemark_coordinator::metrics::refresh_gauges(
+        control.clone(),
+        leadership.clone(),
+    ));
+    if let Some(listen) = settings.metrics_listen {
+        let (registry, refresh) = tidemark_coordinator::metrics::registry();
+        tidemark_common::metrics::serve(listen, registry, refresh)
+            .await
+            .with_context(|| format!("metrics endpoint {listen}"))?;
+    }
     let service = CoordinatorService::new(Coordinator {
         control,
         leases,

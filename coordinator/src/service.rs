@@ -17,10 +17,13 @@ use crate::checkpoints::{CommitBatch, ControlDb, EpochRecord, RegisterBatch, Sha
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
 use crate::leases::Leases;
+use crate::metrics::{METRICS, count};
 use crate::operations::{request_merge, request_move, request_split};
 use crate::planner::PreparedTask;
 use crate::planner::{delete_spec, epoch_columns, reinit_task};
 use crate::reconcile_runs::ShardReconcile;
+use tidemark_common::telemetry::join_trace;
+use tracing::Instrument;
 
 pub struct Coordinator {
     pub control: ControlDb,
@@ -154,6 +157,7 @@ impl CoordinatorService {
             task = %shard.task, shard = shard.shard_id, worker = worker_id, fence,
             cursor = %record.cursor.describe(), pending = pending.is_some(), "shard acquired"
         );
+        count(&METRICS.leases_acquired, &[("task", &shard.task)], 1);
         Ok(Some(pb::ShardAssignment {
             task: Some(self.task_spec(task, &epoch)?),
             epoch: shard.epoch,
@@ -181,6 +185,103 @@ fn shard_key(task: &str, epoch: u64, shard_id: u32) -> ShardKey {
         task: task.to_string(),
         epoch,
         shard_id,
+    }
+}
+
+impl CoordinatorService {
+    async fn register_batch_in(
+        &self,
+        request: pb::RegisterBatchRequest,
+    ) -> Result<Response<pb::RegisterBatchResponse>, Status> {
+        let task = request.task.clone();
+        let result = self.register_batch_checked(request).await;
+        if let Err(error) = &result {
+            count(
+                &METRICS.commits_refused,
+                &[("task", &task), ("reason", refusal(error))],
+                1,
+            );
+        }
+        Ok(Response::new(result?))
+    }
+
+    async fn register_batch_checked(
+        &self,
+        request: pb::RegisterBatchRequest,
+    ) -> Result<pb::RegisterBatchResponse, CoordinatorError> {
+        self.inner.leadership.require().await?;
+        self.task(&request.task)?;
+        let shard = shard_key(&request.task, request.epoch, request.shard_id);
+        let lower = parse_request_cursor(&request.lower)?;
+        let upper = parse_request_cursor(&request.upper)?;
+        self.inner
+            .control
+            .register_batch(&RegisterBatch {
+                shard: &shard,
+                fence: request.fence_token,
+                batch_id: &request.batch_id,
+                lower: &lower,
+                upper: &upper,
+                row_count: request.row_count,
+                byte_size: request.byte_size,
+                content_hash: &request.content_hash,
+                manifest_path: &request.manifest_path,
+            })
+            .await?;
+        Ok(pb::RegisterBatchResponse {})
+    }
+
+    async fn commit_batch_in(
+        &self,
+        request: pb::CommitBatchRequest,
+    ) -> Result<Response<pb::CommitBatchResponse>, Status> {
+        self.inner.leadership.require().await?;
+        self.task(&request.task)?;
+        let shard = shard_key(&request.task, request.epoch, request.shard_id);
+        let lower = parse_request_cursor(&request.lower)?;
+        let upper = parse_request_cursor(&request.upper)?;
+        let result = self
+            .inner
+            .control
+            .commit_batch(&CommitBatch {
+                shard: &shard,
+                fence: request.fence_token,
+                expected_version: request.expected_version,
+                batch_id: &request.batch_id,
+                lower: &lower,
+                upper: &upper,
+                row_count: request.row_count,
+                empty: request.empty,
+                replayed: request.replayed,
+                late_row_lateness_micros: &request.late_row_lateness_micros,
+            })
+            .await;
+        match result {
+            Ok(committed) => {
+                if !committed.repeated && !request.empty {
+                    let task = request.task.as_str();
+                    count(&METRICS.rows_applied, &[("task", task)], request.row_count);
+                    count(&METRICS.batches, &[("task", task)], 1);
+                    if request.replayed {
+                        count(&METRICS.replays, &[("task", task)], 1);
+                    }
+                }
+                tidemark_common::crash::point("commit_before_reply");
+                Ok(Response::new(pb::CommitBatchResponse {
+                    new_version: committed.new_version,
+                    release: committed.release_requested,
+                }))
+            }
+            Err(error) => {
+                tracing::warn!(task = %shard.task, shard = shard.shard_id, worker = %request.worker_id, %error, "commit refused");
+                count(
+                    &METRICS.commits_refused,
+                    &[("task", &request.task), ("reason", refusal(&error))],
+                    1,
+                );
+                Err(error.into())
+            }
+        }
     }
 }
 
@@ -220,6 +321,7 @@ impl WorkerService for CoordinatorService {
             self.inner.control.worker_seen(&request.worker_id).await?;
         }
         if !lease_alive {
+            count(&METRICS.leases_lost, &[], 1);
             tracing::warn!(worker = %request.worker_id, lease_id = request.lease_id, "heartbeat for an expired lease");
         }
         Ok(Response::new(pb::HeartbeatResponse { lease_alive }))
@@ -239,70 +341,30 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::RegisterBatchRequest>,
     ) -> Result<Response<pb::RegisterBatchResponse>, Status> {
-        self.inner.leadership.require().await?;
-        let request = request.into_inner();
-        self.task(&request.task)?;
-        let shard = shard_key(&request.task, request.epoch, request.shard_id);
-        let lower = parse_request_cursor(&request.lower)?;
-        let upper = parse_request_cursor(&request.upper)?;
-        self.inner
-            .control
-            .register_batch(&RegisterBatch {
-                shard: &shard,
-                fence: request.fence_token,
-                batch_id: &request.batch_id,
-                lower: &lower,
-                upper: &upper,
-                row_count: request.row_count,
-                byte_size: request.byte_size,
-                content_hash: &request.content_hash,
-                manifest_path: &request.manifest_path,
-            })
-            .await?;
-        Ok(Response::new(pb::RegisterBatchResponse {}))
+        let span = tracing::info_span!(
+            "coordinator.register_batch",
+            task = %request.get_ref().task,
+            shard = request.get_ref().shard_id,
+            batch_id = %request.get_ref().batch_id,
+        );
+        join_trace(request.metadata(), &span);
+        self.register_batch_in(request.into_inner()).instrument(span).await
     }
 
     async fn commit_batch(
         &self,
         request: Request<pb::CommitBatchRequest>,
     ) -> Result<Response<pb::CommitBatchResponse>, Status> {
-        self.inner.leadership.require().await?;
-        let request = request.into_inner();
-        self.task(&request.task)?;
-        let shard = shard_key(&request.task, request.epoch, request.shard_id);
-        let lower = parse_request_cursor(&request.lower)?;
-        let upper = parse_request_cursor(&request.upper)?;
-        let result = self
-            .inner
-            .control
-            .commit_batch(&CommitBatch {
-                shard: &shard,
-                fence: request.fence_token,
-                expected_version: request.expected_version,
-                batch_id: &request.batch_id,
-                lower: &lower,
-                upper: &upper,
-                row_count: request.row_count,
-                empty: request.empty,
-                replayed: request.replayed,
-                late_row_lateness_micros: &request.late_row_lateness_micros,
-            })
-            .await;
-        match result {
-            Ok(committed) => {
-                tidemark_common::crash::point("commit_before_reply");
-                Ok(Response::new(pb::CommitBatchResponse {
-                    new_version: committed.new_version,
-                    release: committed.release_requested,
-                }))
-            }
-            Err(error) => {
-                tracing::warn!(task = %shard.task, shard = shard.shard_id, worker = %request.worker_id, %error, "commit refused");
-                Err(error.into())
-            }
-        }
+        let span = tracing::info_span!(
+            "coordinator.commit_batch",
+            task = %request.get_ref().task,
+            shard = request.get_ref().shard_id,
+            batch_id = %request.get_ref().batch_id,
+            rows = request.get_ref().row_count,
+        );
+        join_trace(request.metadata(), &span);
+        self.commit_batch_in(request.into_inner()).instrument(span).await
     }
-
     async fn abandon_batch(
         &self,
         request: Request<pb::AbandonBatchRequest>,
@@ -357,6 +419,10 @@ impl WorkerService for CoordinatorService {
             .control
             .report_reconcile(&shard, request.fence_token, request.run_id, &result)
             .await?;
+        let task = [("task", shard.task.as_str())];
+        count(&METRICS.reconcile_ranges, &task, result.ranges_compared);
+        count(&METRICS.reconcile_rows_read, &task, result.rows_read);
+        count(&METRICS.reconcile_keys_repaired, &task, result.keys_repaired);
         tracing::info!(
             task = %shard.task, shard = shard.shard_id, run_id = request.run_id, ranges = result.ranges_compared,
             rows_read = result.rows_read, repaired = result.keys_repaired, ms = result.duration_ms,
@@ -700,5 +766,17 @@ fn contract_proto(contract: &Contract) -> pb::Contract {
         consistency: contract.consistency.clone(),
         retention: contract.retention.clone(),
         reinitialization: contract.reinitialization.clone(),
+    }
+}
+
+/// A refusal's reason as a metric label.
+fn refusal(error: &CoordinatorError) -> &'static str {
+    match error {
+        CoordinatorError::Fenced { .. } => "fenced",
+        CoordinatorError::Paused { .. } => "paused",
+        CoordinatorError::CheckpointConflict { .. } => "conflict",
+        CoordinatorError::EpochSuperseded { .. } | CoordinatorError::ShardRetired { .. } => "superseded",
+        CoordinatorError::NotLeader { .. } => "not_leader",
+        _ => "other",
     }
 }

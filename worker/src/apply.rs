@@ -37,7 +37,7 @@ pub async fn apply_batch(
 ) -> Result<(ApplyOutcome, Vec<i64>), WorkerError> {
     match apply_once(target, sql, manifest, data, overlap).await {
         Ok(outcome) => {
-            verify(target, manifest).await?;
+            crate::metrics::step("verify", verify(target, manifest)).await?;
             Ok(outcome)
         }
         Err(error) => {

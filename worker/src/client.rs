@@ -11,6 +11,8 @@ use tidemark_proto::v1 as pb;
 use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
 use tonic::transport::{Channel, Endpoint};
 
+use tidemark_common::telemetry::traced_request;
+
 use crate::error::WorkerError;
 
 /// A client of the coordinator replicas: calls go to the current one, and a call that finds
@@ -155,7 +157,7 @@ impl CoordinatorClient {
 
     pub async fn register_batch(&self, request: pb::RegisterBatchRequest) -> Result<(), WorkerError> {
         self.call("register_batch", Duration::from_secs(60), |mut c| {
-            let request = request.clone();
+            let request = traced_request(request.clone());
             async move { c.register_batch(request).await }
         })
         .await?;
@@ -165,7 +167,7 @@ impl CoordinatorClient {
     pub async fn commit_batch(&self, request: pb::CommitBatchRequest) -> Result<pb::CommitBatchResponse, WorkerError> {
         Ok(self
             .call("commit_batch", Duration::from_secs(60), |mut c| {
-                let request = request.clone();
+                let request = traced_request(request.clone());
                 async move { c.commit_batch(request).await }
             })
             .await?)
@@ -184,7 +186,7 @@ impl CoordinatorClient {
     pub async fn abandon_batch(&self, request: pb::AbandonBatchRequest) -> Result<u64, WorkerError> {
         let response = self
             .call("abandon_batch", Duration::from_secs(60), |mut c| {
-                let request = request.clone();
+                let request = traced_request(request.clone());
                 async move { c.abandon_batch(request).await }
             })
             .await?;
@@ -203,7 +205,7 @@ impl CoordinatorClient {
 
     pub async fn report_reconcile(&self, request: pb::ReportReconcileRequest) -> Result<(), WorkerError> {
         self.call("report_reconcile", Duration::from_secs(60), |mut c| {
-            let request = request.clone();
+            let request = traced_request(request.clone());
             async move { c.report_reconcile(request).await }
         })
         .await?;

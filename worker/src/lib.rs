@@ -4,6 +4,7 @@
 pub mod apply;
 pub mod client;
 pub mod error;
+pub mod metrics;
 pub mod pipeline;
 pub mod reconcile;
 pub mod resources;

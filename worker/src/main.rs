@@ -5,6 +5,7 @@ use std::panic::AssertUnwindSafe;
 
 use clap::Parser;
 use futures::FutureExt;
+use tidemark_common::telemetry::{self, LogFormat};
 use tidemark_proto::v1 as pb;
 use tidemark_worker::client::CoordinatorClient;
 use tidemark_worker::error::WorkerError;
@@ -29,18 +30,41 @@ struct Cli {
     /// Most shards this worker works on at once.
     #[arg(long, default_value_t = 4, env = "TIDEMARK_MAX_SHARDS")]
     max_shards: u32,
+    /// `human` (default) or `json` log lines on stderr; filter with RUST_LOG.
+    #[arg(long, default_value = "human", env = "TIDEMARK_LOG_FORMAT")]
+    log_format: LogFormat,
+    /// Serve Prometheus metrics on this address (`GET /metrics`), e.g. 0.0.0.0:9464.
+    #[arg(long, env = "TIDEMARK_METRICS_LISTEN")]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// OTLP/gRPC collector for traces; default: OTEL_EXPORTER_OTLP_ENDPOINT; unset: off.
+    #[arg(long)]
+    otlp_endpoint: Option<String>,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tidemark_common::telemetry::init_logging();
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let telemetry = {
+        let _guard = runtime.enter();
+        telemetry::init("tidemark-worker", cli.log_format, cli.otlp_endpoint.clone())
+    };
     if cli.max_shards == 0 {
         eprintln!("error: --max-shards must be at least 1");
         return ExitCode::from(2);
     }
     let worker_id = cli.id.clone().unwrap_or_else(default_worker_id);
-    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-    match runtime.block_on(run(cli, worker_id)) {
+    let result = runtime.block_on(async {
+        if let Some(listen) = cli.metrics_listen {
+            let (registry, refresh) = tidemark_worker::metrics::registry();
+            tidemark_common::metrics::serve(listen, registry, refresh)
+                .await
+                .map_err(|e| WorkerError::Coordinator(format!("metrics endpoint {listen}: {e}")))?;
+        }
+        let result = run(cli, worker_id).await;
+        telemetry.shutdown().await;
+        result
+    });
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error}");
@@ -270,6 +294,7 @@ async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) -> bool {
     match &ended.result {
         Ok(()) => tracing::info!(task = %release.task, shard = release.shard_id, "shard stopped"),
         Err(WorkerError::Fenced(reason)) => {
+            tidemark_worker::metrics::count(&tidemark_worker::metrics::METRICS.shards_lost, &release.task, 1);
             tracing::warn!(task = %release.task, shard = release.shard_id, %reason, "shard lost; releasing it")
         }
         Err(error) => {

@@ -17,6 +17,9 @@ use tidemark_common::pg::deletes::LogUpper;
 use tidemark_common::pg::{Column, DeleteSource, DeleteSql, TableName, TableSql};
 use tidemark_proto::v1 as pb;
 use tokio::sync::watch;
+use tracing::Instrument;
+
+use crate::metrics;
 
 use crate::apply::{ApplyOutcome, OverlapRegion, apply_batch, ledger_holds};
 use crate::client::CoordinatorClient;
@@ -210,6 +213,23 @@ impl ShardRun {
     /// Re-applies exactly the staged batch that a previous owner left uncommitted
     /// (invariant 2: never re-extract it with fresher bounds).
     async fn replay(&mut self, client: &CoordinatorClient, pending: &pb::PendingBatch) -> Result<(), WorkerError> {
+        let span = tracing::info_span!(
+            "batch",
+            task = %self.task.name,
+            epoch = self.epoch,
+            shard = self.shard_id,
+            batch_id = %pending.batch_id,
+            rows = pending.row_count,
+            bytes = tracing::field::Empty,
+            lower = tracing::field::Empty,
+            upper = tracing::field::Empty,
+            replay = true,
+        );
+        metrics::count(&metrics::METRICS.replays, &self.task.name, 1);
+        self.replay_in(client, pending).instrument(span).await
+    }
+
+    async fn replay_in(&mut self, client: &CoordinatorClient, pending: &pb::PendingBatch) -> Result<(), WorkerError> {
         let (manifest, data) = match self.resources.staging.read_batch(&pending.manifest_path).await {
             Ok(batch) => batch,
             Err(error) => return self.recover_unreadable(client, pending, error).await,
@@ -425,7 +445,24 @@ impl ShardRun {
         let Some(plan) = self.plan_read().await? else {
             return Ok(true);
         };
-        let (page, full) = self.read_changes(&plan).await?;
+        let span = tracing::info_span!(
+            "batch",
+            task = %self.task.name,
+            epoch = self.epoch,
+            shard = self.shard_id,
+            batch_id = tracing::field::Empty,
+            rows = tracing::field::Empty,
+            bytes = tracing::field::Empty,
+            lower = tracing::field::Empty,
+            upper = tracing::field::Empty,
+            replay = false,
+        );
+        self.step_in(client, plan).instrument(span).await
+    }
+
+    async fn step_in(&mut self, client: &CoordinatorClient, plan: ReadPlan) -> Result<bool, WorkerError> {
+        let (page, full) = metrics::step("read", self.read_changes(&plan)).await?;
+        metrics::count(&metrics::METRICS.rows_read, &self.task.name, page.row_count);
         crash::point("after_read");
         let upper = match &page.last {
             Some((key, t_micros)) => self.after_row(&plan, key, *t_micros, full),
@@ -453,6 +490,12 @@ impl ShardRun {
         repair: bool,
     ) -> Result<(), WorkerError> {
         let batch_id = batch::batch_id(&self.task.name, self.epoch, self.shard_id, self.version, &lower, &upper);
+        let span = tracing::Span::current();
+        span.record("batch_id", batch_id.as_str());
+        span.record("rows", row_count);
+        span.record("bytes", data.len() as u64);
+        span.record("lower", lower.describe().as_str());
+        span.record("upper", upper.describe().as_str());
         let bounds = Bounds {
             batch_id,
             lower,
@@ -461,7 +504,7 @@ impl ShardRun {
             late_row_lateness_micros: Vec::new(),
         };
         if row_count == 0 {
-            return self.commit(client, bounds, true, false).await;
+            return metrics::step("commit", self.commit(client, bounds, true, false)).await;
         }
 
         let mut manifest = Manifest {
@@ -481,31 +524,38 @@ impl ShardRun {
             data_format: DATA_FORMAT_PG_COPY_TEXT.to_string(),
             repair,
         };
-        let manifest_path = self.resources.staging.write_batch(&mut manifest, data.clone()).await?;
+        let manifest_path =
+            metrics::step("stage", self.resources.staging.write_batch(&mut manifest, data.clone())).await?;
         crash::point("after_stage");
-        client
-            .register_batch(pb::RegisterBatchRequest {
-                worker_id: self.worker_id.clone(),
-                task: self.task.name.clone(),
-                epoch: self.epoch,
-                shard_id: self.shard_id,
-                fence_token: self.fence,
-                batch_id: manifest.batch_id.clone(),
-                lower: manifest.lower.clone(),
-                upper: manifest.upper.clone(),
-                row_count: manifest.row_count,
-                byte_size: manifest.byte_size,
-                content_hash: manifest.content_hash.clone(),
-                manifest_path,
-            })
-            .await?;
+        let register = client.register_batch(pb::RegisterBatchRequest {
+            worker_id: self.worker_id.clone(),
+            task: self.task.name.clone(),
+            epoch: self.epoch,
+            shard_id: self.shard_id,
+            fence_token: self.fence,
+            batch_id: manifest.batch_id.clone(),
+            lower: manifest.lower.clone(),
+            upper: manifest.upper.clone(),
+            row_count: manifest.row_count,
+            byte_size: manifest.byte_size,
+            content_hash: manifest.content_hash.clone(),
+            manifest_path,
+        });
+        metrics::step("register", register).await?;
         crash::point("after_register");
         let overlap = if repair {
             None
         } else {
             overlap_region(&bounds.lower, &bounds.upper)
         };
-        let (outcome, late) = apply_batch(&self.resources.target, &self.sql, &manifest, &data, overlap).await?;
+        let (outcome, late) = metrics::step(
+            "apply",
+            apply_batch(&self.resources.target, &self.sql, &manifest, &data, overlap),
+        )
+        .await?;
+        if outcome == ApplyOutcome::Applied {
+            metrics::count(&metrics::METRICS.rows_applied, &self.task.name, row_count);
+        }
         if outcome == ApplyOutcome::AlreadyApplied {
             // A commit whose outcome looked unknown had gone through; the ledger said so.
             tracing::info!(task = %self.task.name, shard = self.shard_id, batch_id = %manifest.batch_id, "batch was already applied");
@@ -523,7 +573,14 @@ impl ShardRun {
             ..bounds
         };
         crash::stop_point("before_commit");
-        self.commit(client, bounds, false, false).await?;
+        metrics::step("commit", self.commit(client, bounds, false, false)).await?;
+        metrics::METRICS
+            .batches
+            .get_or_create(&tidemark_common::metrics::labels(&[
+                ("task", &self.task.name),
+                ("kind", if repair { "repair" } else { "rows" }),
+            ]))
+            .inc();
         crash::point("after_commit");
         Ok(())
     }

@@ -1,0 +1,149 @@
+//! The coordinator's metrics: counters updated as workers register, acquire and commit, and
+//! gauges refreshed from the control database every two seconds (watermark lag per task and
+//! shard, late rows, leadership).
+
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tidemark_common::metrics::{CounterFamily, GaugeFamily, labels, register_trace_counters};
+
+use crate::checkpoints::ControlDb;
+use crate::leader::Leadership;
+
+pub struct CoordinatorMetrics {
+    pub rows_applied: CounterFamily,
+    pub batches: CounterFamily,
+    pub replays: CounterFamily,
+    pub commits_refused: CounterFamily,
+    pub leases_acquired: CounterFamily,
+    pub leases_lost: CounterFamily,
+    pub reconcile_ranges: CounterFamily,
+    pub reconcile_rows_read: CounterFamily,
+    pub reconcile_keys_repaired: CounterFamily,
+    pub watermark_lag: GaugeFamily,
+    pub late_rows: GaugeFamily,
+    pub leader: Gauge,
+}
+
+pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorMetrics {
+    rows_applied: CounterFamily::default(),
+    batches: CounterFamily::default(),
+    replays: CounterFamily::default(),
+    commits_refused: CounterFamily::default(),
+    leases_acquired: CounterFamily::default(),
+    leases_lost: CounterFamily::default(),
+    reconcile_ranges: CounterFamily::default(),
+    reconcile_rows_read: CounterFamily::default(),
+    reconcile_keys_repaired: CounterFamily::default(),
+    watermark_lag: GaugeFamily::default(),
+    late_rows: GaugeFamily::default(),
+    leader: Gauge::default(),
+});
+
+pub fn count(family: &CounterFamily, pairs: &[(&str, &str)], by: u64) {
+    family.get_or_create(&labels(pairs)).inc_by(by);
+}
+
+pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
+    let mut r = Registry::default();
+    let m = &*METRICS;
+    r.register(
+        "tidemark_rows_applied",
+        "Rows of committed batches (equals the target ledger's sum)",
+        m.rows_applied.clone(),
+    );
+    r.register("tidemark_batches", "Batches committed", m.batches.clone());
+    r.register(
+        "tidemark_batch_replays",
+        "Batches committed after a replay from staging",
+        m.replays.clone(),
+    );
+    r.register(
+        "tidemark_commits_refused",
+        "Register or commit calls refused, by reason (fenced = stale fence token)",
+        m.commits_refused.clone(),
+    );
+    r.register(
+        "tidemark_leases_acquired",
+        "Shard leases granted to workers",
+        m.leases_acquired.clone(),
+    );
+    r.register(
+        "tidemark_leases_lost",
+        "Worker leases found expired on heartbeat",
+        m.leases_lost.clone(),
+    );
+    r.register(
+        "tidemark_reconcile_ranges_compared",
+        "Key ranges compared by reconciliation",
+        m.reconcile_ranges.clone(),
+    );
+    r.register(
+        "tidemark_reconcile_rows_read",
+        "Rows read by reconciliation",
+        m.reconcile_rows_read.clone(),
+    );
+    r.register(
+        "tidemark_reconcile_keys_repaired",
+        "Keys repaired by reconciliation",
+        m.reconcile_keys_repaired.clone(),
+    );
+    r.register(
+        "tidemark_watermark_lag_seconds",
+        "Source clock minus the committed watermark, per task and shard (incremental phase)",
+        m.watermark_lag.clone(),
+    );
+    r.register(
+        "tidemark_late_rows",
+        "Late rows found by the overlap re-read in the current epoch",
+        m.late_rows.clone(),
+    );
+    r.register(
+        "tidemark_leader",
+        "1 while this replica is the leader",
+        m.leader.clone(),
+    );
+    let (dropped, exported) = register_trace_counters(&mut r);
+    let refresh = Arc::new(move || {
+        let d = tidemark_common::telemetry::spans_dropped();
+        let e = tidemark_common::telemetry::spans_exported();
+        dropped.inc_by(d.saturating_sub(dropped.get()));
+        exported.inc_by(e.saturating_sub(exported.get()));
+    });
+    (Arc::new(r), refresh)
+}
+
+/// Refreshes the gauges from the control database.
+pub async fn refresh_gauges(control: ControlDb, leadership: Leadership) {
+    let mut first = true;
+    loop {
+        if !first {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        first = false;
+        METRICS.leader.set(i64::from(leadership.is_leader()));
+        let Ok(tasks) = control.status().await else { continue };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as i64);
+        for task in tasks {
+            for shard in &task.shards {
+                if let Some(watermark) = shard.cursor.incremental_time() {
+                    let shard_id = shard.shard_id.to_string();
+                    METRICS
+                        .watermark_lag
+                        .get_or_create(&labels(&[("task", &task.name), ("shard", &shard_id)]))
+                        .set((now - watermark) as f64 / 1e6);
+                }
+            }
+            if let Ok(lateness) = control.lateness(&task.name, task.epoch).await {
+                METRICS
+                    .late_rows
+                    .get_or_create(&labels(&[("task", &task.name)]))
+                    .set(lateness.count as f64);
+            }
+        }
+    }
+}
