@@ -9,12 +9,16 @@ command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 [ -f /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
 command -v psql >/dev/null 2>&1 || need+=(postgresql-client)
+python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+# deploy/validate.py needs PyYAML for the machine's python3 (Debian's package serves the
+# system python; a pyenv python gets it from PyPI).
+python3 -c 'import yaml' 2>/dev/null || python3 -m pip install -q pyyaml
 
 if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
   echo "setup: starting PostgreSQL"

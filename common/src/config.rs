@@ -546,6 +546,14 @@ cursor_column = "updated_at"
     }
 
     #[test]
+    fn deploy_config_parses() {
+        let text = include_str!("../../deploy/tidemark.toml");
+        let config = Config::parse(text, "deploy/tidemark.toml", |_| Some("secret".to_string())).unwrap();
+        assert!(config.coordinator.metrics_listen.is_some() && config.coordinator.balance);
+        assert_eq!(config.tasks.len(), 1);
+    }
+
+    #[test]
     fn unknown_key_is_named_with_its_line() {
         let text = MINIMAL.replace("cursor_column", "shardz = 3\ncursor_column");
         let err = Config::parse(&text, "t.toml", env).unwrap_err().to_string();
