@@ -61,6 +61,10 @@ pub struct Manifest {
     /// each row carries the target version the comparison saw (see `pg::EXPECTED_COLUMN`).
     #[serde(default)]
     pub repair: bool,
+    /// The rows carry only the target's columns (key-ordered pages without a delete policy):
+    /// when none of their keys is in the target yet they are copied straight into it.
+    #[serde(default)]
+    pub target_layout: bool,
 }
 
 pub const DATA_FORMAT_PG_COPY_TEXT: &str = "pg_copy_text";

@@ -228,6 +228,14 @@ impl TableSql {
             .join(", ")
     }
 
+    /// Whether key-ordered pages (snapshot, append) are read in the target's own layout (its
+    /// columns, no cursor time or delete flag), so that a batch whose keys the target does not
+    /// hold yet can be copied straight into the target table. Not with a delete policy: its
+    /// kept tombstones must be consulted row by row.
+    pub fn key_pages_in_target_layout(&self) -> bool {
+        self.deletes.is_none()
+    }
+
     /// A snapshot page: rows of the range after `after_key` in key order, up to `max_key` on
     /// the first key column when the planner captured one.
     pub fn snapshot_page(
@@ -243,6 +251,11 @@ impl TableSql {
         }
         if let Some(max) = max_key {
             conditions.push(format!("{} <= {}", quote_ident(&self.key_columns[0]), key_literal(max)));
+        }
+        if self.key_pages_in_target_layout() {
+            let mut list: Vec<String> = self.columns.iter().map(|c| quote_ident(&c.name)).collect();
+            list.push(self.version_expr());
+            return self.copy_out_list(&list.join(", "), &conditions, &self.key_order(), limit);
         }
         self.copy_out(&conditions, &self.key_order(), limit)
     }
@@ -302,14 +315,17 @@ impl TableSql {
     }
 
     fn copy_out(&self, conditions: &[String], order: &str, limit: u32) -> String {
+        self.copy_out_list(&self.select_list(), conditions, order, limit)
+    }
+
+    fn copy_out_list(&self, list: &str, conditions: &[String], order: &str, limit: u32) -> String {
         let where_clause = if conditions.is_empty() {
             String::new()
         } else {
             format!(" WHERE {}", conditions.join(" AND "))
         };
         format!(
-            "COPY (SELECT {} FROM {}{where_clause} ORDER BY {order} LIMIT {limit}) TO STDOUT",
-            self.select_list(),
+            "COPY (SELECT {list} FROM {}{where_clause} ORDER BY {order} LIMIT {limit}) TO STDOUT",
             self.source.quoted()
         )
     }
@@ -399,12 +415,26 @@ impl TableSql {
 
     /// `COPY stage (…) FROM STDIN` for the staged layout (plus the expected version in a
     /// repair batch).
-    pub fn copy_into_stage(&self, repair: bool) -> String {
-        let mut columns = self.staged_columns();
+    pub fn copy_into_stage(&self, repair: bool, target_layout: bool) -> String {
+        let mut columns = if target_layout {
+            self.target_columns()
+        } else {
+            self.staged_columns()
+        };
         if repair {
             columns.push(quote_ident(EXPECTED_COLUMN));
         }
         format!("COPY {} ({}) FROM STDIN", self.stage_table(), columns.join(", "))
+    }
+
+    /// `COPY target (…) FROM STDIN` for a batch in the target's layout whose keys the target
+    /// does not hold (the snapshot's fast path).
+    pub fn copy_into_target(&self) -> String {
+        format!(
+            "COPY {} ({}) FROM STDIN",
+            self.target.quoted(),
+            self.target_columns().join(", ")
+        )
     }
 
     /// `t.k1 = s.k1 AND …` between two aliases.

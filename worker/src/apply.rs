@@ -67,18 +67,18 @@ async fn apply_once(
         tx.rollback().await?;
         return Ok((ApplyOutcome::AlreadyApplied, Vec::new()));
     }
+    if manifest.target_layout && copy_straight_into_target(&mut tx, sql, manifest, data).await? {
+        return finish(tx, manifest, Vec::new()).await;
+    }
     sqlx::query(sqlx::AssertSqlSafe(sql.create_stage_table()))
         .execute(&mut *tx)
         .await?;
-    let mut copy = tx.copy_in_raw(&sql.copy_into_stage(manifest.repair)).await?;
+    let mut copy = tx
+        .copy_in_raw(&sql.copy_into_stage(manifest.repair, manifest.target_layout))
+        .await?;
     copy.send(data.as_ref()).await?;
     let copied = copy.finish().await?;
-    if copied != manifest.row_count {
-        return Err(WorkerError::Data(format!(
-            "batch {}: copied {copied} rows, manifest says {}",
-            manifest.batch_id, manifest.row_count
-        )));
-    }
+    check_count(manifest, copied)?;
     let late = match overlap {
         Some(region) => {
             sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(
@@ -92,6 +92,56 @@ async fn apply_once(
     for statement in sql.apply_statements(manifest.repair) {
         sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&mut *tx).await?;
     }
+    finish(tx, manifest, late).await
+}
+
+fn check_count(manifest: &Manifest, copied: u64) -> Result<(), WorkerError> {
+    if copied != manifest.row_count {
+        return Err(WorkerError::Data(format!(
+            "batch {}: copied {copied} rows, manifest says {}",
+            manifest.batch_id, manifest.row_count
+        )));
+    }
+    Ok(())
+}
+
+/// The snapshot's fast path: the rows go straight into the target table by COPY. It works
+/// when the target holds none of their keys (a fresh table); a key it already holds fails the
+/// primary key, and the savepoint falls back to the versioned upsert through the stage table.
+async fn copy_straight_into_target(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    sql: &TableSql,
+    manifest: &Manifest,
+    data: &Bytes,
+) -> Result<bool, WorkerError> {
+    sqlx::query("SAVEPOINT tidemark_direct").execute(&mut **tx).await?;
+    let attempt = async {
+        let mut copy = tx.copy_in_raw(&sql.copy_into_target()).await?;
+        copy.send(data.as_ref()).await?;
+        copy.finish().await
+    }
+    .await;
+    match attempt {
+        Ok(copied) => {
+            check_count(manifest, copied)?;
+            Ok(true)
+        }
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("23505") => {
+            sqlx::query("ROLLBACK TO SAVEPOINT tidemark_direct")
+                .execute(&mut **tx)
+                .await?;
+            Ok(false)
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Writes the ledger row and commits (or yields to a concurrent owner that applied it).
+async fn finish(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    manifest: &Manifest,
+    late: Vec<i64>,
+) -> Result<(ApplyOutcome, Vec<i64>), WorkerError> {
     let inserted = sqlx::query(
         "INSERT INTO tidemark_ledger (batch_id, task, epoch, shard_id, row_count, content_hash, fence) \
          VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (batch_id) DO NOTHING",

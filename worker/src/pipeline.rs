@@ -65,12 +65,26 @@ struct ReadPlan {
     cycle: Option<(i64, i64)>,
     /// Incremental pages: where the scan starts `(t, key)` and the cycle's high.
     scan: Option<Scan>,
+    /// The page's rows carry only the target's columns (key-ordered pages, no delete policy).
+    target_layout: bool,
 }
 
 struct Scan {
     t_micros: i64,
     after_key: Option<Vec<KeyValue>>,
     high_micros: i64,
+}
+
+/// What `deliver` stages, applies and commits: rows read at the committed cursor.
+pub(crate) struct PageToDeliver {
+    pub lower: Cursor,
+    pub upper: Cursor,
+    pub data: Bytes,
+    pub row_count: u64,
+    /// A reconciliation's repair batch (`lower == upper`).
+    pub repair: bool,
+    /// The rows carry only the target's columns.
+    pub target_layout: bool,
 }
 
 /// The overlap region of an incremental batch: its cycle's watermark and high.
@@ -326,6 +340,7 @@ impl ShardRun {
                 },
                 cycle: None,
                 scan: None,
+                target_layout: self.sql.key_pages_in_target_layout(),
             },
             Position::Append { after_key } => ReadPlan {
                 statement: self
@@ -334,6 +349,7 @@ impl ShardRun {
                 on_short: self.cursor.clone(),
                 cycle: None,
                 scan: None,
+                target_layout: self.sql.key_pages_in_target_layout(),
             },
             Position::Incremental {
                 floor_micros,
@@ -366,6 +382,7 @@ impl ShardRun {
                         after_key: scan_key,
                         high_micros: high,
                     }),
+                    target_layout: false,
                 }
             }
         };
@@ -400,7 +417,7 @@ impl ShardRun {
     async fn read_changes(&self, plan: &ReadPlan) -> Result<(Page, bool), WorkerError> {
         let source = &self.resources.source;
         let page_size = self.task.page_size;
-        let rows = read_page(source, &self.sql, &plan.statement).await?;
+        let rows = read_page(source, &self.sql, &plan.statement, plan.target_layout).await?;
         let rows_full = rows.row_count == u64::from(page_size);
         let log = match self.sql.deletes.as_ref().map(|d| &d.source) {
             Some(DeleteSource::Log(log)) => log,
@@ -421,7 +438,7 @@ impl ShardRun {
             upper,
             page_size,
         );
-        let deletes = read_page(source, &self.sql, &statement).await?;
+        let deletes = read_page(source, &self.sql, &statement, false).await?;
         if deletes.row_count < u64::from(page_size) {
             return Ok((Page::concat(rows, deletes, true), rows_full));
         }
@@ -436,7 +453,7 @@ impl ShardRun {
             Some((log_t, &log_key)),
             page_size,
         );
-        let rows = read_page(source, &self.sql, &statement).await?;
+        let rows = read_page(source, &self.sql, &statement, false).await?;
         Ok((Page::concat(rows, deletes, false), true))
     }
 
@@ -473,22 +490,29 @@ impl ShardRun {
             return Ok(true);
         }
         let lower = self.cursor.clone();
-        self.deliver(client, lower, upper, page.data, page.row_count, false)
-            .await?;
+        let page = PageToDeliver {
+            lower,
+            upper,
+            data: page.data,
+            row_count: page.row_count,
+            repair: false,
+            target_layout: plan.target_layout,
+        };
+        self.deliver(client, page).await?;
         Ok(!full)
     }
 
     /// The batch protocol for one page of data read at the committed cursor: stage, register,
     /// apply, verify, commit. A repair batch (reconciliation) has `upper == lower`.
-    pub(crate) async fn deliver(
-        &mut self,
-        client: &CoordinatorClient,
-        lower: Cursor,
-        upper: Cursor,
-        data: Bytes,
-        row_count: u64,
-        repair: bool,
-    ) -> Result<(), WorkerError> {
+    pub(crate) async fn deliver(&mut self, client: &CoordinatorClient, page: PageToDeliver) -> Result<(), WorkerError> {
+        let PageToDeliver {
+            lower,
+            upper,
+            data,
+            row_count,
+            repair,
+            target_layout,
+        } = page;
         let batch_id = batch::batch_id(&self.task.name, self.epoch, self.shard_id, self.version, &lower, &upper);
         let span = tracing::Span::current();
         span.record("batch_id", batch_id.as_str());
@@ -523,6 +547,7 @@ impl ShardRun {
             data_path: String::new(),
             data_format: DATA_FORMAT_PG_COPY_TEXT.to_string(),
             repair,
+            target_layout,
         };
         let manifest_path =
             metrics::step("stage", self.resources.staging.write_batch(&mut manifest, data.clone())).await?;

@@ -22,7 +22,7 @@ use tidemark_proto::v1 as pb;
 
 use crate::client::CoordinatorClient;
 use crate::error::WorkerError;
-use crate::pipeline::ShardRun;
+use crate::pipeline::{PageToDeliver, ShardRun};
 use crate::source::read_page;
 
 /// Buckets per split.
@@ -286,7 +286,7 @@ impl ShardRun {
         outcome: &mut Outcome,
     ) -> Result<(), WorkerError> {
         let keys: Vec<Vec<KeyValue>> = repairs.iter().map(|r| r.key.clone()).collect();
-        let page = read_page(&self.resources.source, &self.sql, &self.sql.rows_by_key(&keys)).await?;
+        let page = read_page(&self.resources.source, &self.sql, &self.sql.rows_by_key(&keys), false).await?;
         let expected: HashMap<Vec<String>, Option<i64>> = repairs
             .iter()
             .map(|r| (r.key.iter().map(|k| k.value.clone()).collect(), r.expected))
@@ -333,8 +333,15 @@ impl ShardRun {
             return Ok(());
         }
         let cursor = self.cursor.clone();
-        self.deliver(client, cursor.clone(), cursor, Bytes::from(data), row_count, true)
-            .await
+        let page = PageToDeliver {
+            lower: cursor.clone(),
+            upper: cursor,
+            data: Bytes::from(data),
+            row_count,
+            repair: true,
+            target_layout: false,
+        };
+        self.deliver(client, page).await
     }
 
     /// A tombstone in the staged layout: the key, NULL elsewhere, the version, no cursor time,

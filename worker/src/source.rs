@@ -33,7 +33,13 @@ impl Page {
     }
 }
 
-pub async fn read_page(source: &PgPool, sql: &TableSql, statement: &str) -> Result<Page, WorkerError> {
+/// Reads one page. `target_layout`: the rows carry only the target's columns (no cursor time).
+pub async fn read_page(
+    source: &PgPool,
+    sql: &TableSql,
+    statement: &str,
+    target_layout: bool,
+) -> Result<Page, WorkerError> {
     let mut conn = source.acquire().await?;
     let mut stream = conn.copy_out_raw(statement).await?;
     let mut buffer = BytesMut::new();
@@ -50,13 +56,17 @@ pub async fn read_page(source: &PgPool, sql: &TableSql, statement: &str) -> Resu
     }
     let last = match last_row {
         None => None,
-        Some(row) => Some(decode_position(sql, row)?),
+        Some(row) => Some(decode_position(sql, row, target_layout)?),
     };
     Ok(Page { data, row_count, last })
 }
 
 /// The key values and the version (cursor time) of a staged row.
-fn decode_position(sql: &TableSql, row: &[u8]) -> Result<(Vec<KeyValue>, Option<i64>), WorkerError> {
+fn decode_position(
+    sql: &TableSql,
+    row: &[u8],
+    target_layout: bool,
+) -> Result<(Vec<KeyValue>, Option<i64>), WorkerError> {
     let field = |index: usize| -> Result<String, WorkerError> {
         let raw = copy_text::raw_field(row, index)
             .ok_or_else(|| WorkerError::Data(format!("staged row has no field {index}")))?;
@@ -75,7 +85,7 @@ fn decode_position(sql: &TableSql, row: &[u8]) -> Result<(Vec<KeyValue>, Option<
             })
         })
         .collect::<Result<Vec<_>, WorkerError>>()?;
-    let cursor_micros = match sql.cursor_micros_position() {
+    let cursor_micros = match sql.cursor_micros_position().filter(|_| !target_layout) {
         None => None,
         Some(index) => {
             let text = field(index)?;

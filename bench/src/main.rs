@@ -1,0 +1,272 @@
+//! `cargo run --release -p tidemark-bench -- --rows 10000000`
+//!
+//! In one run, on this machine: generates a source table (bigint key, uuid, timestamptz(3)
+//! cursor with 50 rows per millisecond, ~200 bytes of jsonb, numeric, text), measures the
+//! physical baseline `COPY … TO STDOUT (FORMAT binary) | COPY … FROM STDIN (FORMAT binary)`
+//! into an equivalent empty table with its primary key, then runs a Tidemark snapshot end to
+//! end (coordinator + workers, local staging) into a fresh target, then applies `--updates`
+//! source updates and measures the time until the watermark covers them and the target has
+//! them. Prints rows/s, MB/s, the ratio to the baseline, worker peak RSS, staging bytes and
+//! the time per protocol step.
+
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use futures::TryStreamExt;
+use tidemark_tests::otlp::{sample, scrape};
+use tidemark_tests::{Cluster, TaskSettings, TestDb, free_port};
+
+#[derive(Parser)]
+#[command(about = "Tidemark end-to-end benchmark against a raw binary COPY pipe")]
+struct Args {
+    #[arg(long, default_value_t = 1_000_000)]
+    rows: i64,
+    #[arg(long, default_value_t = 100_000)]
+    updates: i64,
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    #[arg(long, default_value_t = 8)]
+    shards: u32,
+    #[arg(long, default_value_t = 10_000)]
+    page_size: u32,
+    /// Print the results as one JSON object as well.
+    #[arg(long)]
+    json: bool,
+}
+
+const TABLE: &str = "CREATE TABLE bench_items (
+    id bigint PRIMARY KEY,
+    uid uuid NOT NULL,
+    updated_at timestamptz(3) NOT NULL,
+    payload jsonb NOT NULL,
+    amount numeric(12,2) NOT NULL,
+    note text
+)";
+
+async fn generate(db: &TestDb, rows: i64) {
+    db.exec(TABLE).await;
+    let chunk = 1_000_000;
+    let mut first = 1;
+    while first <= rows {
+        let last = (first + chunk - 1).min(rows);
+        db.exec(&format!(
+            "INSERT INTO bench_items
+             SELECT g, md5(g::text)::uuid,
+                    timestamptz '2026-01-01 00:00:00+00' + (g / 50) * interval '1 millisecond',
+                    jsonb_build_object('user', 'user-' || g, 'plan', CASE WHEN g % 3 = 0 THEN 'pro' ELSE 'free' END,
+                                       'tags', jsonb_build_array('a' || g % 10, 'b' || g % 7),
+                                       'text', repeat('lorem ipsum ', 10)),
+                    (g % 100000) / 100.0,
+                    CASE WHEN g % 4 = 0 THEN NULL ELSE 'note ' || g END
+             FROM generate_series({first}, {last}) g"
+        ))
+        .await;
+        first = last + 1;
+    }
+    db.exec("CREATE INDEX bench_items_cursor ON bench_items (updated_at, id); ANALYZE bench_items")
+        .await;
+}
+
+/// The physical limit: binary COPY out of the source straight into an empty table with the
+/// same primary key. Returns (seconds, bytes moved).
+async fn baseline(source: &TestDb, target: &TestDb) -> (f64, u64) {
+    target.exec(TABLE).await;
+    let started = Instant::now();
+    let mut out_conn = source.pool.acquire().await.unwrap();
+    let mut in_conn = target.pool.acquire().await.unwrap();
+    let mut copy_in = in_conn
+        .copy_in_raw("COPY bench_items FROM STDIN (FORMAT binary)")
+        .await
+        .unwrap();
+    let mut stream = out_conn
+        .copy_out_raw("COPY bench_items TO STDOUT (FORMAT binary)")
+        .await
+        .unwrap();
+    let mut bytes = 0u64;
+    while let Some(chunk) = stream.try_next().await.unwrap() {
+        bytes += chunk.len() as u64;
+        copy_in.send(chunk).await.unwrap();
+    }
+    drop(stream);
+    copy_in.finish().await.unwrap();
+    (started.elapsed().as_secs_f64(), bytes)
+}
+
+fn peak_rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+fn dir_bytes(path: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(path) else { return 0 };
+    entries
+        .filter_map(Result::ok)
+        .map(|e| {
+            let meta = e.metadata().unwrap();
+            if meta.is_dir() {
+                dir_bytes(&e.path())
+            } else {
+                meta.len()
+            }
+        })
+        .sum()
+}
+
+async fn scalar(db: &TestDb, sql: &str) -> String {
+    sqlx::query_scalar::<_, Option<String>>(sqlx::AssertSqlSafe(sql.to_string()))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+        .unwrap_or_default()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let rows = args.rows;
+    let mut cluster = Cluster::new("bench").await;
+    let base = TestDb::create("bench_base").await;
+
+    let started = Instant::now();
+    generate(&cluster.source, rows).await;
+    let source_bytes: i64 = sqlx::query_scalar("SELECT pg_table_size('bench_items')")
+        .fetch_one(&cluster.source.pool)
+        .await?;
+    eprintln!(
+        "generated {rows} rows ({:.0} MB) in {:.1}s",
+        source_bytes as f64 / 1e6,
+        started.elapsed().as_secs_f64()
+    );
+
+    let (base_secs, base_bytes) = baseline(&cluster.source, &base).await;
+    eprintln!("baseline COPY binary pipe: {base_secs:.1}s");
+    drop(base);
+
+    let settings = TaskSettings {
+        source_table: "public.bench_items".into(),
+        cursor_column: "updated_at".into(),
+        shards: args.shards,
+        page_size: args.page_size,
+        safety_delay: "2s",
+        poll_interval: "500ms",
+        lease_ttl: "10s",
+        overlap: "2s",
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    let mut metrics = Vec::new();
+    let started = Instant::now();
+    for i in 0..args.workers {
+        let listen = format!("127.0.0.1:{}", free_port());
+        cluster.spawn_worker(
+            &format!("bench-w{i}"),
+            args.shards,
+            &[("TIDEMARK_METRICS_LISTEN", &listen)],
+        );
+        metrics.push(listen);
+    }
+    let timeout = Duration::from_secs((rows as u64 / 2_000).max(300));
+    cluster
+        .wait_for("snapshot complete", timeout, |t| {
+            t.snapshot_complete && t.rows_applied >= rows as u64
+        })
+        .await;
+    let snapshot_secs = started.elapsed().as_secs_f64();
+    let staging_bytes = dir_bytes(&cluster.dir.0.join("staging"));
+    let check = "SELECT count(*)::text || ' / ' || sum(amount)::text FROM bench_items";
+    let (source_sum, target_sum) = (
+        scalar(&cluster.source, check).await,
+        scalar(&cluster.target, check).await,
+    );
+    assert_eq!(source_sum, target_sum, "target equals source after the snapshot");
+    eprintln!("tidemark snapshot: {snapshot_secs:.1}s");
+
+    // Updates: one statement, cursor = commit-time clock; latency until the target has them.
+    let every = (rows / args.updates.max(1)).max(1);
+    cluster
+        .source
+        .exec(&format!(
+            "UPDATE bench_items SET amount = amount + 1, updated_at = clock_timestamp() WHERE id % {every} = 0"
+        ))
+        .await;
+    let committed = Instant::now();
+    let commit_micros = cluster.source_now_micros().await;
+    let updated: i64 = rows / every;
+    cluster
+        .wait_for_watermark(commit_micros, Duration::from_secs(600))
+        .await;
+    let check = format!("SELECT sum(amount)::text FROM bench_items WHERE id % {every} = 0");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while scalar(&cluster.source, &check).await != scalar(&cluster.target, &check).await {
+        assert!(Instant::now() < deadline, "the target never caught up with the updates");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let update_secs = committed.elapsed().as_secs_f64();
+
+    let mut steps: Vec<(&str, f64)> = Vec::new();
+    for step in ["read", "stage", "register", "apply", "verify", "commit"] {
+        let mut total = 0.0;
+        for listen in &metrics {
+            let text = scrape(listen).await;
+            total += sample(&text, "tidemark_batch_step_seconds_sum", &format!("step=\"{step}\"")).unwrap_or(0.0);
+        }
+        steps.push((step, total));
+    }
+    let rss: Vec<f64> = cluster.workers.iter().map(|w| peak_rss_mib(w.child.id())).collect();
+
+    let base_rate = rows as f64 / base_secs;
+    let rate = rows as f64 / snapshot_secs;
+    let step_total: f64 = steps.iter().map(|(_, s)| s).sum();
+    println!(
+        "tidemark benchmark: {rows} rows, {} workers, {} shards, page {}",
+        args.workers, args.shards, args.page_size
+    );
+    println!("  source table            {:>10.0} MB", source_bytes as f64 / 1e6);
+    println!(
+        "  baseline COPY binary    {:>10.1} s  {:>10.0} rows/s  {:>7.1} MB/s",
+        base_secs,
+        base_rate,
+        base_bytes as f64 / 1e6 / base_secs
+    );
+    println!(
+        "  tidemark snapshot       {:>10.1} s  {:>10.0} rows/s  {:>7.1} MB/s (of the baseline's bytes)",
+        snapshot_secs,
+        rate,
+        base_bytes as f64 / 1e6 / snapshot_secs
+    );
+    println!("  ratio to baseline       {:>10.2}", rate / base_rate);
+    println!(
+        "  {updated} updates in target {:>6.1} s after their commit (safety_delay 2s)",
+        update_secs
+    );
+    println!(
+        "  worker peak RSS         {}",
+        rss.iter().map(|r| format!("{r:.0} MiB")).collect::<Vec<_>>().join(", ")
+    );
+    println!("  staging bytes           {:>10.0} MB", staging_bytes as f64 / 1e6);
+    println!("  time per step (sum over workers and shards, share of all steps):");
+    for (step, secs) in &steps {
+        println!(
+            "    {step:<10} {secs:>8.1} s  {:>5.1} %",
+            secs / step_total.max(1e-9) * 100.0
+        );
+    }
+    if args.json {
+        let value = serde_json::json!({
+            "rows": rows, "baseline_seconds": base_secs, "baseline_rows_per_second": base_rate,
+            "snapshot_seconds": snapshot_secs, "snapshot_rows_per_second": rate, "ratio": rate / base_rate,
+            "updates": updated, "update_latency_seconds": update_secs, "worker_peak_rss_mib": rss,
+            "staging_bytes": staging_bytes,
+            "steps": steps.iter().map(|(s, t)| serde_json::json!({"step": s, "seconds": t})).collect::<Vec<_>>(),
+        });
+        println!("{value}");
+    }
+    Ok(())
+}

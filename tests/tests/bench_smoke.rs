@@ -1,0 +1,30 @@
+//! CI's smoke run of the benchmark (`tidemark-bench`, see BENCHMARKS.md): 200k rows, checking
+//! that it runs end to end and computes its ratio against the raw COPY pipe. No pass/fail on
+//! speed: this machine's load during CI says nothing about the engine.
+
+use std::process::Command;
+
+use tidemark_tests::binary;
+
+#[test]
+fn benchmark_runs_and_computes_its_ratio() {
+    let output = Command::new(binary("tidemark-bench"))
+        .args(["--rows", "200000", "--updates", "20000", "--json"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "benchmark failed: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json = stdout.lines().last().unwrap();
+    let result: serde_json::Value = serde_json::from_str(json).unwrap();
+    eprintln!("{stdout}");
+    assert_eq!(result["rows"], 200_000);
+    let ratio = result["ratio"].as_f64().unwrap();
+    assert!(ratio.is_finite() && ratio > 0.0, "{result}");
+    assert_eq!(result["updates"], 20_000);
+    assert_eq!(result["steps"].as_array().unwrap().len(), 6);
+}
