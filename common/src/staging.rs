@@ -11,7 +11,7 @@ use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
-use crate::batch::{Manifest, content_hash};
+use crate::batch::{DATA_FORMAT_PG_COPY_TEXT_LZ4, Manifest, content_hash};
 use crate::crash;
 use crate::redact::redact_url;
 
@@ -67,7 +67,7 @@ impl Staging {
     pub fn data_path(&self, manifest: &Manifest) -> String {
         let hash = manifest.content_hash.trim_start_matches("sha256:");
         format!(
-            "{}/data-{hash}.copy",
+            "{}/data-{hash}.copy.lz4",
             self.batch_dir(&manifest.task, manifest.epoch, manifest.shard_id, &manifest.batch_id)
         )
     }
@@ -131,14 +131,17 @@ impl Staging {
         manifest.data_path = self.data_path(manifest);
         if crash::armed("mid_data") {
             // A non-atomic store torn by a crash: a prefix of the object at its final path.
-            let half = data.slice(..data.len() / 2);
+            let stored = compress(&data);
+            let half = stored.slice(..stored.len() / 2);
             let _ = self
                 .store
                 .put(&self.location(&manifest.data_path), PutPayload::from(half))
                 .await;
             crash::kill("mid_data");
         }
-        self.put_data(&manifest.data_path, &manifest.content_hash, data).await?;
+        manifest.data_format = DATA_FORMAT_PG_COPY_TEXT_LZ4.to_string();
+        self.put_data(&manifest.data_path, &manifest.content_hash, compress(&data))
+            .await?;
         crash::point("after_data");
         let manifest_path = self.manifest_path(manifest);
         let manifest_bytes = serde_json::to_vec_pretty(manifest).expect("manifest serializes");
@@ -153,7 +156,7 @@ impl Staging {
         match self.put_if_absent(relative, data.clone()).await {
             Err(StagingError::Conflict { .. }) => {
                 let existing = self.get(relative).await?;
-                if content_hash(&existing) == hash {
+                if decompress(relative, &existing).is_ok_and(|d| content_hash(&d) == hash) {
                     return Ok(());
                 }
                 tracing::warn!(path = relative, "replacing a torn staging object");
@@ -178,7 +181,12 @@ impl Staging {
             batch_id: manifest_path.to_string(),
             message: format!("manifest does not parse: {e}"),
         })?;
-        let data = self.get(&manifest.data_path).await?;
+        let stored = self.get(&manifest.data_path).await?;
+        let data = if manifest.data_path.ends_with(".lz4") {
+            decompress(&manifest.batch_id, &stored)?
+        } else {
+            stored
+        };
         let actual = content_hash(&data);
         if actual != manifest.content_hash || data.len() as u64 != manifest.byte_size {
             return Err(StagingError::Corrupt {
@@ -249,4 +257,19 @@ impl Staging {
             }),
         }
     }
+}
+
+/// Staged data objects are LZ4 blocks with the uncompressed size in front: COPY text
+/// compresses several times over, and LZ4 costs little CPU on the hot path.
+fn compress(data: &[u8]) -> Bytes {
+    Bytes::from(lz4_flex::block::compress_prepend_size(data))
+}
+
+fn decompress(batch_id: &str, stored: &[u8]) -> Result<Bytes, StagingError> {
+    lz4_flex::block::decompress_size_prepended(stored)
+        .map(Bytes::from)
+        .map_err(|e| StagingError::Corrupt {
+            batch_id: batch_id.to_string(),
+            message: format!("data object does not decompress: {e}"),
+        })
 }

@@ -55,7 +55,7 @@ pub async fn collect_once(
             let hash: String = row.get(3);
             keep.insert(
                 row.get(0),
-                (row.get(2), format!("data-{}.copy", hash.trim_start_matches("sha256:"))),
+                (row.get(2), format!("data-{}.", hash.trim_start_matches("sha256:"))),
             );
         }
     }
@@ -65,7 +65,7 @@ pub async fn collect_once(
             .batch_id
             .as_ref()
             .and_then(|id| keep.get(id))
-            .is_some_and(|(manifest, data)| object.path == *manifest || object.path.ends_with(&format!("/{data}")));
+            .is_some_and(|(manifest, data)| object.path == *manifest || object.path.contains(&format!("/{data}")));
         if !needed {
             staging
                 .delete(&object.path)
