@@ -31,10 +31,11 @@ pub fn histogram_family() -> HistogramFamily {
     Family::new_with_constructor(duration_histogram as fn() -> Histogram)
 }
 
-/// The spans the trace exporter dropped and exported, as counters of the registry.
-pub fn register_trace_counters(registry: &mut Registry) -> (Counter, Counter) {
-    let dropped = Counter::default();
-    let exported = Counter::default();
+/// Registers the trace exporter's dropped and exported span counts; returns the refresh that
+/// brings them up to date before a scrape.
+pub fn register_trace_counters(registry: &mut Registry) -> Arc<dyn Fn() + Send + Sync> {
+    let dropped: Counter = Counter::default();
+    let exported: Counter = Counter::default();
     registry.register(
         "tidemark_trace_spans_dropped",
         "Finished spans dropped because the trace queue was full or the collector failed",
@@ -45,7 +46,12 @@ pub fn register_trace_counters(registry: &mut Registry) -> (Counter, Counter) {
         "Spans exported to the collector",
         exported.clone(),
     );
-    (dropped, exported)
+    Arc::new(move || {
+        let d = crate::telemetry::spans_dropped();
+        let e = crate::telemetry::spans_exported();
+        dropped.inc_by(d.saturating_sub(dropped.get()));
+        exported.inc_by(e.saturating_sub(exported.get()));
+    })
 }
 
 /// Serves `GET /metrics` on `listen`; `refresh` runs before each scrape.

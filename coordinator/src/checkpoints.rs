@@ -242,21 +242,7 @@ impl ControlDb {
             tx.rollback().await?;
             return Ok(false);
         }
-        sqlx::query(
-            "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start, \
-             estimated_rows) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        )
-        .bind(&plan.task)
-        .bind(plan.epoch as i64)
-        .bind(&plan.schema_id)
-        .bind(&plan.columns)
-        .bind(plan.h0_time_micros)
-        .bind(&plan.h0_max_key)
-        .bind(cursor_json(&plan.incremental_start))
-        .bind(plan.estimated_rows)
-        .execute(&mut *tx)
-        .await?;
-        Self::insert_shards(&mut tx, plan).await?;
+        Self::insert_epoch(&mut tx, plan).await?;
         tx.commit().await?;
         Ok(true)
     }
@@ -275,21 +261,7 @@ impl ControlDb {
             tx.rollback().await?;
             return Ok(false);
         }
-        sqlx::query(
-            "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start, \
-             estimated_rows) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        )
-        .bind(&plan.task)
-        .bind(plan.epoch as i64)
-        .bind(&plan.schema_id)
-        .bind(&plan.columns)
-        .bind(plan.h0_time_micros)
-        .bind(&plan.h0_max_key)
-        .bind(cursor_json(&plan.incremental_start))
-        .bind(plan.estimated_rows)
-        .execute(&mut *tx)
-        .await?;
-        Self::insert_shards(&mut tx, plan).await?;
+        Self::insert_epoch(&mut tx, plan).await?;
         sqlx::query("UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch < $2 AND state = 'STAGED'")
             .bind(&plan.task)
             .bind(plan.epoch as i64)
@@ -304,6 +276,25 @@ impl ControlDb {
         .await?;
         tx.commit().await?;
         Ok(true)
+    }
+
+    /// The epoch's row and its shards, each starting its snapshot.
+    async fn insert_epoch(tx: &mut sqlx::PgConnection, plan: &EpochPlan) -> Result<(), CoordinatorError> {
+        sqlx::query(
+            "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start, \
+             estimated_rows) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&plan.task)
+        .bind(plan.epoch as i64)
+        .bind(&plan.schema_id)
+        .bind(&plan.columns)
+        .bind(plan.h0_time_micros)
+        .bind(&plan.h0_max_key)
+        .bind(cursor_json(&plan.incremental_start))
+        .bind(plan.estimated_rows)
+        .execute(&mut *tx)
+        .await?;
+        Self::insert_shards(tx, plan).await
     }
 
     async fn insert_shards(tx: &mut sqlx::PgConnection, plan: &EpochPlan) -> Result<(), CoordinatorError> {

@@ -105,13 +105,7 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "1 while this replica is the leader",
         m.leader.clone(),
     );
-    let (dropped, exported) = register_trace_counters(&mut r);
-    let refresh = Arc::new(move || {
-        let d = tidemark_common::telemetry::spans_dropped();
-        let e = tidemark_common::telemetry::spans_exported();
-        dropped.inc_by(d.saturating_sub(dropped.get()));
-        exported.inc_by(e.saturating_sub(exported.get()));
-    });
+    let refresh = register_trace_counters(&mut r);
     (Arc::new(r), refresh)
 }
 

@@ -54,13 +54,7 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "Shards dropped because a commit was refused (stale fence, paused task, retired shard)",
         m.shards_lost.clone(),
     );
-    let (dropped, exported) = register_trace_counters(&mut registry);
-    let refresh = Arc::new(move || {
-        let d = tidemark_common::telemetry::spans_dropped();
-        let e = tidemark_common::telemetry::spans_exported();
-        dropped.inc_by(d.saturating_sub(dropped.get()));
-        exported.inc_by(e.saturating_sub(exported.get()));
-    });
+    let refresh = register_trace_counters(&mut registry);
     (Arc::new(registry), refresh)
 }
 
