@@ -45,6 +45,8 @@ pub struct ShardRun {
     sees_all_transactions: Option<bool>,
     /// The coordinator asked for the shard back (a move, split, merge or drain).
     release_requested: bool,
+    /// The next page, read while the previous one was applied.
+    prefetched: Option<(ReadPlan, Page, bool)>,
 }
 
 /// A batch about to be committed: its bounds, how many rows it carried, and the lateness of
@@ -188,6 +190,7 @@ impl ShardRun {
             task,
             sees_all_transactions: None,
             release_requested: false,
+            prefetched: None,
         })
     }
 
@@ -317,9 +320,44 @@ impl ShardRun {
 
     /// Decides what the next page reads. `None`: nothing can be read yet.
     async fn plan_read(&mut self) -> Result<Option<ReadPlan>, WorkerError> {
+        let new_cycle_high = match &self.cursor.position {
+            Position::Incremental {
+                floor_micros,
+                cycle_high_micros: None,
+                ..
+            } => {
+                let floor = *floor_micros;
+                let high = self.read_window_high().await?;
+                if high <= floor {
+                    // Nothing new can be read yet; the watermark never moves back.
+                    return Ok(None);
+                }
+                Some(high)
+            }
+            _ => None,
+        };
+        Ok(Some(self.plan_at(&self.cursor, new_cycle_high)))
+    }
+
+    /// The plan for the page after a full one, when it needs nothing from the source (the
+    /// snapshot, the append scan or the cycle continues): it can be read while the full page
+    /// is being applied.
+    fn plan_next(&self, upper: &Cursor) -> Option<ReadPlan> {
+        match upper.position {
+            Position::Incremental {
+                cycle_high_micros: None,
+                ..
+            } => None,
+            _ => Some(self.plan_at(upper, None)),
+        }
+    }
+
+    /// What the page at `cursor` reads; `new_cycle_high` is the high of a new cycle (for an
+    /// incremental cursor between cycles).
+    fn plan_at(&self, cursor: &Cursor, new_cycle_high: Option<i64>) -> ReadPlan {
         let page_size = self.task.page_size;
         let epoch = self.epoch;
-        let plan = match &self.cursor.position {
+        match &cursor.position {
             Position::Snapshot { after_key } => ReadPlan {
                 statement: self.sql.snapshot_page(
                     &self.range,
@@ -346,7 +384,7 @@ impl ShardRun {
                 statement: self
                     .sql
                     .snapshot_page(&self.range, after_key.as_deref(), None, page_size),
-                on_short: self.cursor.clone(),
+                on_short: cursor.clone(),
                 cycle: None,
                 scan: None,
                 target_layout: self.sql.key_pages_in_target_layout(),
@@ -360,15 +398,12 @@ impl ShardRun {
                 let floor = *floor_micros;
                 let (scan_t, scan_key, high) = match cycle_high_micros {
                     Some(high) => (*t_micros, after_key.clone(), *high),
-                    None => {
-                        let high = self.read_window_high().await?;
-                        if high <= floor {
-                            // Nothing new can be read yet; the watermark never moves back.
-                            return Ok(None);
-                        }
-                        // A new cycle re-reads the overlap below the watermark once.
-                        (floor - (self.task.overlap_ms as i64) * 1000, None, high)
-                    }
+                    // A new cycle re-reads the overlap below the watermark once.
+                    None => (
+                        floor - (self.task.overlap_ms as i64) * 1000,
+                        None,
+                        new_cycle_high.expect("a new cycle's high is read before planning it"),
+                    ),
                 };
                 ReadPlan {
                     statement: self
@@ -385,8 +420,7 @@ impl ShardRun {
                     target_layout: false,
                 }
             }
-        };
-        Ok(Some(plan))
+        }
     }
 
     /// The cursor after a page whose last row is `(key, t)`.
@@ -414,9 +448,28 @@ impl ShardRun {
     /// Reads the page the plan describes. With a delete log, the log's entries between the
     /// same positions come with it; when they fill a page of their own, the rows stop where
     /// the log page stopped. Returns the page and whether it was full (more to read).
+    fn reader(&self) -> Reader {
+        Reader {
+            source: self.resources.source.clone(),
+            sql: self.sql.clone(),
+            range: self.range.clone(),
+            page_size: self.task.page_size,
+        }
+    }
+}
+
+/// What reading a page needs, owned, so that a read can run beside the shard's apply.
+struct Reader {
+    source: sqlx::PgPool,
+    sql: TableSql,
+    range: ShardRange,
+    page_size: u32,
+}
+
+impl Reader {
     async fn read_changes(&self, plan: &ReadPlan) -> Result<(Page, bool), WorkerError> {
-        let source = &self.resources.source;
-        let page_size = self.task.page_size;
+        let source = &self.source;
+        let page_size = self.page_size;
         let rows = read_page(source, &self.sql, &plan.statement, plan.target_layout).await?;
         let rows_full = rows.row_count == u64::from(page_size);
         let log = match self.sql.deletes.as_ref().map(|d| &d.source) {
@@ -456,11 +509,17 @@ impl ShardRun {
         let rows = read_page(source, &self.sql, &statement, false).await?;
         Ok((Page::concat(rows, deletes, false), true))
     }
+}
 
+impl ShardRun {
     /// One page. Returns true when the shard has caught up with the source (wait a poll).
     async fn step(&mut self, client: &CoordinatorClient) -> Result<bool, WorkerError> {
-        let Some(plan) = self.plan_read().await? else {
-            return Ok(true);
+        let (plan, read) = match self.prefetched.take() {
+            Some((plan, page, full)) => (plan, Some((page, full))),
+            None => match self.plan_read().await? {
+                Some(plan) => (plan, None),
+                None => return Ok(true),
+            },
         };
         let span = tracing::info_span!(
             "batch",
@@ -474,11 +533,20 @@ impl ShardRun {
             upper = tracing::field::Empty,
             replay = false,
         );
-        self.step_in(client, plan).instrument(span).await
+        self.step_in(client, plan, read).instrument(span).await
     }
 
-    async fn step_in(&mut self, client: &CoordinatorClient, plan: ReadPlan) -> Result<bool, WorkerError> {
-        let (page, full) = metrics::step("read", self.read_changes(&plan)).await?;
+    /// `read`: the page when it was read ahead, during the previous batch's apply.
+    async fn step_in(
+        &mut self,
+        client: &CoordinatorClient,
+        plan: ReadPlan,
+        read: Option<(Page, bool)>,
+    ) -> Result<bool, WorkerError> {
+        let (page, full) = match read {
+            Some(read) => read,
+            None => metrics::step("read", self.reader().read_changes(&plan)).await?,
+        };
         metrics::count(&metrics::METRICS.rows_read, &self.task.name, page.row_count);
         crash::point("after_read");
         let upper = match &page.last {
@@ -490,6 +558,9 @@ impl ShardRun {
             return Ok(true);
         }
         let lower = self.cursor.clone();
+        // After a full page the next one is known already: read it while this one is staged,
+        // applied and committed (at most one page ahead; it is dropped if this batch fails).
+        let next = if full { self.plan_next(&upper) } else { None };
         let page = PageToDeliver {
             lower,
             upper,
@@ -498,7 +569,23 @@ impl ShardRun {
             repair: false,
             target_layout: plan.target_layout,
         };
-        self.deliver(client, page).await?;
+        match next {
+            None => self.deliver(client, page).await?,
+            Some(next) => {
+                let reader = self.reader();
+                let read_ahead = async {
+                    let read = reader.read_changes(&next).await;
+                    (next, read)
+                };
+                let (delivered, (next, read)) =
+                    tokio::join!(self.deliver(client, page), metrics::step("read", read_ahead));
+                delivered?;
+                // A failed read ahead is simply read again by the next step.
+                if let Ok((page, full)) = read {
+                    self.prefetched = Some((next, page, full));
+                }
+            }
+        }
         Ok(!full)
     }
 
