@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Idempotent machine setup for Tidemark's demo and tests on a fresh Debian machine:
-# installs etcd and protoc (etcd-client's build needs it) from Debian's packages when missing,
+# installs etcd, etcdctl and protoc (etcd-client's build needs it) from Debian's packages when missing,
 # and starts the local PostgreSQL when it is not running.
 set -euo pipefail
 
 need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+# etcdctl: scripts/etcd.sh checks the demo's etcd with it.
+command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 [ -f /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
 command -v psql >/dev/null 2>&1 || need+=(postgresql-client)
