@@ -14,8 +14,9 @@ use crate::duration::serde_human;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    // Not `source`: that would make the I/O error the cause too, printed twice in a chain.
+    #[error("cannot read config file {path}: {error}")]
+    Read { path: String, error: std::io::Error },
     #[error("config error in {path}: environment variable {name} (line {line}) is not set")]
     MissingEnv { path: String, name: String, line: usize },
     #[error("config error in {path} at line {line}: {message}")]
@@ -269,9 +270,9 @@ mod serde_human_option {
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let display = path.display().to_string();
-        let raw = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let raw = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
             path: display.clone(),
-            source,
+            error,
         })?;
         Self::parse(&raw, &display, |name| std::env::var(name).ok())
     }
