@@ -9,7 +9,7 @@
 //! delete policy), registered, applied and committed under the shard's fence like any batch,
 //! with `lower == upper` because the cursor does not move.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -293,7 +293,7 @@ impl ShardRun {
             .collect();
         let positions = self.sql.key_positions();
         let mut data: Vec<u8> = Vec::with_capacity(page.data.len() + repairs.len() * 32);
-        let mut found: Vec<Vec<String>> = Vec::new();
+        let mut found: HashSet<Vec<String>> = HashSet::new();
         let mut row_count = 0u64;
         for row in copy_text::rows(&page.data) {
             let key = positions
@@ -308,7 +308,7 @@ impl ShardRun {
             data.push(b'\t');
             push_version(&mut data, expected.get(&key).copied().flatten());
             data.push(b'\n');
-            found.push(key);
+            found.insert(key);
             row_count += 1;
         }
         for repair in &repairs {
