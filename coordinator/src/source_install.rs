@@ -28,15 +28,17 @@ pub async fn install(config: &TaskConfig) -> Result<Vec<String>, CoordinatorErro
     Ok(done)
 }
 
-/// All or nothing: an install that fails halfway leaves the source as it was.
-async fn run_in_one_transaction(source: &sqlx::PgPool, statements: &[String]) -> Result<(), sqlx::Error> {
+/// All or nothing: an install that fails halfway leaves the source as it was. Closes the pool.
+async fn run_in_one_transaction(source: sqlx::PgPool, statements: &[String]) -> Result<(), sqlx::Error> {
     let mut tx = source.begin().await?;
     for statement in statements {
         sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
             .execute(&mut *tx)
             .await?;
     }
-    tx.commit().await
+    tx.commit().await?;
+    source.close().await;
+    Ok(())
 }
 
 fn version_sequence(table: &TableName) -> String {
@@ -149,10 +151,9 @@ async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorEr
             log.quoted()
         ),
     ];
-    run_in_one_transaction(&source, &statements)
+    run_in_one_transaction(source, &statements)
         .await
         .map_err(|e| setup(format!("installing the delete log on {table}: {e}")))?;
-    source.close().await;
     Ok(format!(
         "task {task}: deletes from {table} are logged in {log} by trigger {trigger}; {} purges entries",
         purge_function(&table)
@@ -202,10 +203,9 @@ pub async fn install_trigger_version(config: &TaskConfig) -> Result<String, Coor
         "CREATE TRIGGER {trigger} BEFORE INSERT OR UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {function}()",
         table.quoted()
     ));
-    run_in_one_transaction(&source, &statements)
+    run_in_one_transaction(source, &statements)
         .await
         .map_err(|e| setup(format!("installing the version trigger on {table}: {e}")))?;
-    source.close().await;
     Ok(format!(
         "task {task}: {table}.{TRIGGER_VERSION_COLUMN} is maintained by trigger {trigger} from sequence {qualified_sequence}"
     ))
