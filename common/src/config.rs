@@ -126,6 +126,22 @@ pub struct TaskConfig {
     /// start a task whose configuration cannot deliver one (see `contract`).
     #[serde(default)]
     pub contract: ContractClaims,
+    /// A SQL predicate on the source rows (`append` and `accumulate` modes), e.g. `type = 5`.
+    #[serde(default)]
+    pub filter: Option<String>,
+    /// `accumulate` mode: explode a JSON path of a source column into elements,
+    /// e.g. `{ explode = "$.apps[*].name", from = "event", as = "app_name" }`.
+    #[serde(default)]
+    pub transform: Option<crate::transform::Explode>,
+    /// `accumulate` mode: the target columns that key the running totals.
+    #[serde(default)]
+    pub group_by: Vec<String>,
+    /// `accumulate` mode: target column = `count`, `sum(col)`, `min(col)` or `max(col)`.
+    #[serde(default)]
+    pub aggregates: std::collections::BTreeMap<String, String>,
+    /// A dead letter whose retries failed this many times becomes FAILED.
+    #[serde(default = "default_max_retries")]
+    pub max_retries: u32,
 }
 
 /// `delete_policy = { kind = "soft", column = "deleted_at" }`: the source marks deleted rows
@@ -177,6 +193,43 @@ pub enum TaskMode {
     #[default]
     Upsert,
     Append,
+    /// Append-only reading (like `append`) whose rows are transformed and folded into running
+    /// totals in the target (`transform`, `group_by`, `aggregates`).
+    Accumulate,
+}
+
+impl TaskMode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TaskMode::Upsert => "upsert",
+            TaskMode::Append => "append",
+            TaskMode::Accumulate => "accumulate",
+        }
+    }
+
+    /// Rows are only ever inserted and read by key alone (append and accumulate).
+    pub fn appends(&self) -> bool {
+        matches!(self, TaskMode::Append | TaskMode::Accumulate)
+    }
+}
+
+impl TaskConfig {
+    /// The accumulate spec of an `accumulate` task (validated with the config).
+    pub fn accumulate_spec(&self) -> Result<Option<crate::transform::AccumulateSpec>, String> {
+        if self.mode != TaskMode::Accumulate {
+            return Ok(None);
+        }
+        let aggregates = self
+            .aggregates
+            .iter()
+            .map(|(name, text)| crate::transform::Aggregate::parse(name, text))
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(Some(crate::transform::AccumulateSpec {
+            explode: self.transform.clone(),
+            group_by: self.group_by.clone(),
+            aggregates,
+        }))
+    }
 }
 
 /// `version = "cursor"` (default): the cursor time in microseconds, the weakest choice: a
@@ -252,6 +305,10 @@ fn default_overlap() -> Duration {
 fn default_tombstone_retention() -> Duration {
     Duration::from_secs(7 * 86_400)
 }
+fn default_max_retries() -> u32 {
+    3
+}
+
 fn default_true() -> bool {
     true
 }
@@ -341,19 +398,22 @@ impl Config {
                         "task {name}: cursor_column is required in upsert mode"
                     )));
                 }
-                (TaskMode::Append, Some(_)) => {
+                (TaskMode::Append | TaskMode::Accumulate, Some(_)) => {
                     return Err(invalid(format!(
-                        "task {name}: append mode pages by key alone; remove cursor_column"
+                        "task {name}: {} mode pages by key alone; remove cursor_column",
+                        task.mode.as_str()
                     )));
                 }
-                (TaskMode::Append, _) if task.key.len() != 1 => {
+                (TaskMode::Append | TaskMode::Accumulate, _) if task.key.len() != 1 => {
                     return Err(invalid(format!(
-                        "task {name}: append mode needs a single integer key column"
+                        "task {name}: {} mode needs a single integer key column",
+                        task.mode.as_str()
                     )));
                 }
-                (TaskMode::Append, _) if task.version != VersionConfig::Cursor => {
+                (TaskMode::Append | TaskMode::Accumulate, _) if task.version != VersionConfig::Cursor => {
                     return Err(invalid(format!(
-                        "task {name}: append mode versions rows by key; remove version"
+                        "task {name}: {} mode versions rows by key; remove version",
+                        task.mode.as_str()
                     )));
                 }
                 _ => {}
@@ -365,10 +425,44 @@ impl Config {
                     "task {name}: delete_policy.retention must exceed overlap + safety_delay, or deletes are purged before they are read"
                 )));
             }
-            if task.mode == TaskMode::Append && (task.delete_policy.is_some() || task.reconcile_every.is_some()) {
+            if task.mode.appends() && (task.delete_policy.is_some() || task.reconcile_every.is_some()) {
                 return Err(invalid(format!(
-                    "task {name}: append mode reads inserts only; remove delete_policy and reconcile_every"
+                    "task {name}: {} mode reads inserts only; remove delete_policy and reconcile_every",
+                    task.mode.as_str()
                 )));
+            }
+            if task.filter.is_some() && !task.mode.appends() {
+                return Err(invalid(format!(
+                    "task {name}: filter is for append and accumulate modes (an upsert target could not \
+                     learn that a row left the filter)"
+                )));
+            }
+            let accumulates = task.mode == TaskMode::Accumulate;
+            if !accumulates && (task.transform.is_some() || !task.group_by.is_empty() || !task.aggregates.is_empty()) {
+                return Err(invalid(format!(
+                    "task {name}: transform, group_by and aggregates need mode = \"accumulate\""
+                )));
+            }
+            if accumulates {
+                if task.group_by.is_empty() || task.aggregates.is_empty() {
+                    return Err(invalid(format!(
+                        "task {name}: accumulate mode needs group_by and aggregates"
+                    )));
+                }
+                let spec = task
+                    .accumulate_spec()
+                    .map_err(|e| invalid(format!("task {name}: {e}")))?
+                    .expect("accumulate mode");
+                if let Some(explode) = &spec.explode {
+                    crate::transform::JsonPath::parse(&explode.path)
+                        .map_err(|e| invalid(format!("task {name}: transform.explode: {e}")))?;
+                }
+                if let Some(clash) = spec.aggregates.iter().find(|a| spec.group_by.contains(&a.name)) {
+                    return Err(invalid(format!(
+                        "task {name}: aggregate {:?} is also a group_by column",
+                        clash.name
+                    )));
+                }
             }
             if task.reconcile_every.is_some_and(|every| every.is_zero()) {
                 return Err(invalid(format!("task {name}: reconcile_every must be positive")));

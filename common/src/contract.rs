@@ -47,7 +47,7 @@ pub fn derive(task: &TaskConfig) -> Contract {
         }
     };
     let (coverage, boundary) = match task.mode {
-        TaskMode::Append => (
+        TaskMode::Append | TaskMode::Accumulate => (
             Coverage {
                 inserts: true,
                 updates: false,

@@ -7,6 +7,7 @@
 
 use crate::cursor::{KeyValue, ShardRange};
 
+pub mod accumulate;
 pub mod deletes;
 pub mod reconcile;
 
@@ -114,6 +115,9 @@ pub struct TableSql {
     pub version_column: Option<String>,
     /// How deletions are read and applied; `None`: the task does not capture them.
     pub deletes: Option<DeleteSql>,
+    /// A predicate on the source rows a task reads (`filter`, append and accumulate modes),
+    /// written by the operator in the source's SQL.
+    pub filter: Option<String>,
 }
 
 impl TableSql {
@@ -251,6 +255,9 @@ impl TableSql {
         }
         if let Some(max) = max_key {
             conditions.push(format!("{} <= {}", quote_ident(&self.key_columns[0]), key_literal(max)));
+        }
+        if let Some(filter) = &self.filter {
+            conditions.push(format!("({filter})"));
         }
         if self.key_pages_in_target_layout() {
             let mut list: Vec<String> = self.columns.iter().map(|c| quote_ident(&c.name)).collect();
@@ -610,6 +617,7 @@ mod tests {
             cursor_column: Some("updated_at".into()),
             version_column: None,
             deletes: None,
+            filter: None,
         }
     }
 

@@ -359,3 +359,93 @@ pub async fn reconcile(
     }
     Ok(())
 }
+
+/// `dead-letters list`: a table (payload cut to 60 characters) or every field as JSON.
+pub async fn dead_letters_list(
+    addresses: &str,
+    task: String,
+    status: Option<String>,
+    limit: u32,
+    json: bool,
+) -> anyhow::Result<()> {
+    let request = pb::ListDeadLettersRequest {
+        task,
+        status: status.unwrap_or_default(),
+        limit,
+    };
+    let list = admin(addresses, |mut c| {
+        let request = request.clone();
+        async move { c.list_dead_letters(request).await }
+    })
+    .await?;
+    if json {
+        let letters: Vec<serde_json::Value> = list
+            .letters
+            .iter()
+            .map(|l| {
+                json!({
+                    "task": l.task, "key": l.key, "shard": l.shard_id, "batch_id": l.batch_id,
+                    "payload": l.payload, "error_class": l.error_class, "message": l.message,
+                    "status": l.status, "retry_count": l.retry_count,
+                    "created_at": l.created_at, "updated_at": l.updated_at,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&json!({ "dead_letters": letters }))?);
+        return Ok(());
+    }
+    println!(
+        "{:<20} {:<10} {:>7}  {:<30} message / payload",
+        "key", "status", "retries", "error"
+    );
+    for l in &list.letters {
+        let payload: String = l.payload.chars().take(60).collect();
+        println!(
+            "{:<20} {:<10} {:>7}  {:<30} {}\n{:<71}{payload}",
+            l.key, l.status, l.retry_count, l.error_class, l.message, ""
+        );
+    }
+    Ok(())
+}
+
+/// `dead-letters retry`: one line with what happened to the claimed rows (or JSON).
+pub async fn dead_letters_retry(addresses: &str, task: String, keys: Vec<String>, json: bool) -> anyhow::Result<()> {
+    let request = pb::RetryDeadLettersRequest { task, keys };
+    let result = admin(addresses, |mut c| {
+        let request = request.clone();
+        async move { c.retry_dead_letters(request).await }
+    })
+    .await?;
+    if json {
+        println!(
+            "{}",
+            json!({
+                "resolved": result.resolved, "retry": result.retry,
+                "failed": result.failed, "skipped": result.skipped,
+            })
+        );
+    } else {
+        println!(
+            "resolved {}, failed again {} (will retry), failed for good {}, skipped {} (claimed by another run or not retryable)",
+            result.resolved, result.retry, result.failed, result.skipped
+        );
+    }
+    Ok(())
+}
+
+/// `dead-letters resolve`: marks letters RESOLVED by hand.
+pub async fn dead_letters_resolve(
+    addresses: &str,
+    task: String,
+    keys: Vec<String>,
+    all_failed: bool,
+) -> anyhow::Result<()> {
+    let request = pb::ResolveDeadLettersRequest { task, keys, all_failed };
+    let result = admin(addresses, |mut c| {
+        let request = request.clone();
+        async move { c.resolve_dead_letters(request).await }
+    })
+    .await?;
+    println!("{} dead letters marked RESOLVED", result.resolved);
+    Ok(())
+}

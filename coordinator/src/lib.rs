@@ -3,6 +3,7 @@
 
 pub mod admin_cli;
 pub mod checkpoints;
+pub mod dead_letters;
 pub mod error;
 pub mod janitor;
 pub mod leader;

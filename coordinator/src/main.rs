@@ -78,6 +78,11 @@ enum Command {
         #[command(subcommand)]
         action: WorkerAction,
     },
+    /// List, retry and resolve rows that went to a task's dead letters.
+    DeadLetters {
+        #[command(subcommand)]
+        action: DeadLetterAction,
+    },
     /// Prepare a task's source table.
     Source {
         #[command(subcommand)]
@@ -192,6 +197,50 @@ enum WorkerAction {
     /// Take every shard away from a worker and give it none until it registers again.
     Drain {
         worker: String,
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+#[derive(Subcommand)]
+enum DeadLetterAction {
+    /// The task's dead letters: key, status, retries, error and payload.
+    List {
+        #[arg(long)]
+        task: String,
+        /// Only INIT, RETRY, PROCESSING, RESOLVED or FAILED.
+        #[arg(long)]
+        status: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-apply INIT and RETRY letters (transform included): each row is claimed by one
+    /// retrier, applied and marked RESOLVED in one transaction; after the task's
+    /// `max_retries` failures it becomes FAILED.
+    Retry {
+        #[arg(long)]
+        task: String,
+        /// Only this key (repeatable); default: every INIT and RETRY letter.
+        #[arg(long = "key")]
+        keys: Vec<String>,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Mark letters RESOLVED by hand (you dealt with them).
+    Resolve {
+        #[arg(long)]
+        task: String,
+        #[arg(long = "key", required_unless_present = "all_failed")]
+        keys: Vec<String>,
+        /// Every FAILED letter of the task.
+        #[arg(long)]
+        all_failed: bool,
         #[command(flatten)]
         target: Target,
     },
@@ -318,6 +367,27 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 admin_cli::operation(&target.coordinator, Operation::Drain(pb::DrainWorkerRequest { worker })).await
             }
         },
+        Command::DeadLetters { action } => match action {
+            DeadLetterAction::List {
+                task,
+                status,
+                limit,
+                target,
+                json,
+            } => admin_cli::dead_letters_list(&target.coordinator, task, status, limit, json).await,
+            DeadLetterAction::Retry {
+                task,
+                keys,
+                target,
+                json,
+            } => admin_cli::dead_letters_retry(&target.coordinator, task, keys, json).await,
+            DeadLetterAction::Resolve {
+                task,
+                keys,
+                all_failed,
+                target,
+            } => admin_cli::dead_letters_resolve(&target.coordinator, task, keys, all_failed).await,
+        },
         Command::Source {
             action: SourceAction::Install { task, config },
         } => {
@@ -415,10 +485,18 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("metrics endpoint {listen}"))?;
     }
+    let mut targets = std::collections::HashMap::new();
+    for (name, task) in &tasks {
+        targets.insert(
+            name.clone(),
+            tidemark_coordinator::planner::lazy_target_pool(&task.config)?,
+        );
+    }
     let service = CoordinatorService::new(Coordinator {
         control,
         leases,
         tasks,
+        targets,
         staging_url: settings.staging.clone(),
         leadership,
         address: advertise,

@@ -24,6 +24,7 @@ use crate::checkpoints::{ControlDb, EpochPlan, EpochRecord};
 use crate::error::CoordinatorError;
 
 const LEDGER_DDL: &str = include_str!("../../migrations/target/ledger.sql");
+const DEAD_LETTERS_DDL: &str = include_str!("../../migrations/target/dead_letters.sql");
 
 /// A task as the coordinator serves it: its config and its current epoch's frozen plan.
 #[derive(Debug, Clone)]
@@ -209,11 +210,33 @@ fn validate_columns(
         }
         Ok(())
     };
+    if let Some(spec) = config.accumulate_spec().map_err(&setup)? {
+        let explode_as = spec.explode.as_ref().map(|e| e.as_column.as_str());
+        let mut needed: Vec<(&str, &str)> = spec
+            .group_by
+            .iter()
+            .filter(|g| Some(g.as_str()) != explode_as)
+            .map(|g| (g.as_str(), "group_by column"))
+            .collect();
+        needed.extend(
+            spec.aggregates
+                .iter()
+                .filter_map(|a| a.column.as_deref())
+                .map(|c| (c, "aggregate column")),
+        );
+        needed.extend(spec.explode.as_ref().map(|e| (e.from.as_str(), "transform.from")));
+        for (name, what) in needed {
+            if find(name).is_none() {
+                return Err(setup(format!("{what} {name:?} does not exist in {source_table}")));
+            }
+        }
+    }
     match (&config.mode, &config.version) {
-        (TaskMode::Append, _) => {
+        (TaskMode::Append | TaskMode::Accumulate, _) => {
             if !is_integer_type(first_key_type) {
                 return Err(setup(format!(
-                    "append mode needs an integer key; {:?} is {first_key_type}",
+                    "{} mode needs an integer key; {:?} is {first_key_type}",
+                    config.mode.as_str(),
                     config.key[0]
                 )));
             }
@@ -356,8 +379,9 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         cursor_column: config.cursor_column.clone(),
         version_column: source.version_column.clone(),
         deletes: delete_sql(config)?,
+        filter: config.filter.clone(),
     };
-    ensure_target(&target, task, &sql, &not_null).await?;
+    ensure_target(&target, config, &sql, &not_null).await?;
     target.close().await;
 
     Ok(PreparedTask {
@@ -366,6 +390,71 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         columns: frozen_columns,
         version_column: source.version_column,
     })
+}
+
+/// An accumulate task's summary table: created when missing, else it must have the group and
+/// aggregate columns.
+async fn ensure_summary_table(
+    target: &PgPool,
+    task: &str,
+    sql: &TableSql,
+    spec: &tidemark_common::transform::AccumulateSpec,
+) -> Result<(), CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let summary = tidemark_common::pg::accumulate::AccumulateSql { table: sql, spec };
+    match introspect(target, task, "target", &sql.target).await? {
+        None => {
+            sqlx::query(sqlx::AssertSqlSafe(summary.create_target_table()))
+                .execute(target)
+                .await
+                .map_err(|e| setup(format!("creating summary table {}: {e}", sql.target)))?;
+            tracing::info!(task, table = %sql.target, "created summary table");
+        }
+        Some(existing) => {
+            if let Some(missing) = summary
+                .required_columns()
+                .into_iter()
+                .find(|name| !existing.iter().any(|c| &c.column.name == name))
+            {
+                return Err(setup(format!("summary table {} has no column {missing:?}", sql.target)));
+            }
+            if !key_is_unique(target, &sql.target, &spec.group_by).await? {
+                return Err(setup(format!(
+                    "summary table {}: no unique index or primary key covers exactly group_by ({})",
+                    sql.target,
+                    spec.group_by.join(", ")
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The task's statements as its current epoch froze them, for the coordinator's own work on
+/// the target (dead-letter retries).
+pub fn table_sql(task: &PreparedTask) -> Result<TableSql, CoordinatorError> {
+    let config = &task.config;
+    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+    Ok(TableSql {
+        source: TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?,
+        target: TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?,
+        columns: task.columns.clone(),
+        key_columns: config.key.clone(),
+        cursor_column: config.cursor_column.clone(),
+        version_column: task.version_column.clone(),
+        deletes: delete_sql(config)?,
+        filter: config.filter.clone(),
+    })
+}
+
+/// A pool on the task's target that connects on first use (status counts, dead letters).
+pub fn lazy_target_pool(config: &TaskConfig) -> Result<PgPool, CoordinatorError> {
+    let options = connect_options(&config.target, "tidemark-coordinator")
+        .map_err(|e| CoordinatorError::task_setup(&config.name, format!("target URL: {e}")))?;
+    Ok(PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with(options))
 }
 
 /// The columns an epoch froze.
@@ -400,8 +489,9 @@ pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<u64
         cursor_column: config.cursor_column.clone(),
         version_column: source.version_column,
         deletes: delete_sql(config)?,
+        filter: config.filter.clone(),
     };
-    ensure_target(&target, task, &sql, &not_null).await?;
+    ensure_target(&target, config, &sql, &not_null).await?;
     target.close().await;
     if !control.switch_epoch(&plan).await? {
         return Err(setup(format!(
@@ -543,12 +633,26 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
 
 /// Creates the target table and the ledger when missing; an existing target table must carry
 /// the version column and every source column.
-async fn ensure_target(target: &PgPool, task: &str, sql: &TableSql, not_null: &[bool]) -> Result<(), CoordinatorError> {
+async fn ensure_target(
+    target: &PgPool,
+    config: &TaskConfig,
+    sql: &TableSql,
+    not_null: &[bool],
+) -> Result<(), CoordinatorError> {
+    let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    sqlx::query(LEDGER_DDL)
-        .execute(target)
-        .await
-        .map_err(|e| setup(format!("creating {}: {e}", pg::LEDGER_TABLE)))?;
+    for (ddl, table) in [
+        (LEDGER_DDL, pg::LEDGER_TABLE),
+        (DEAD_LETTERS_DDL, tidemark_common::dead_letters::TABLE),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
+            .execute(target)
+            .await
+            .map_err(|e| setup(format!("creating {table}: {e}")))?;
+    }
+    if let Some(spec) = config.accumulate_spec().map_err(&setup)? {
+        return ensure_summary_table(target, task, sql, &spec).await;
+    }
     match introspect(target, task, "target", &sql.target).await? {
         None => {
             let ddl = sql.create_target_table(not_null);

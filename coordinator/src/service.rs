@@ -9,7 +9,7 @@ use tidemark_proto::v1::admin_service_server::AdminService;
 use tidemark_proto::v1::worker_service_server::WorkerService;
 use tonic::{Request, Response, Status};
 
-use tidemark_common::config::{DeletePolicy, TargetDeletes, TaskMode};
+use tidemark_common::config::{DeletePolicy, TargetDeletes};
 use tidemark_common::contract::{self, Contract};
 
 use crate::checkpoints::ShardStatusRow;
@@ -29,6 +29,8 @@ pub struct Coordinator {
     pub control: ControlDb,
     pub leases: Leases,
     pub tasks: HashMap<String, PreparedTask>,
+    /// Each task's target, connected on first use (dead-letter counts and handling).
+    pub targets: HashMap<String, sqlx::PgPool>,
     pub staging_url: String,
     pub leadership: Leadership,
     /// This replica's address, as clients reach it.
@@ -52,6 +54,31 @@ impl CoordinatorService {
             .tasks
             .get(name)
             .ok_or_else(|| CoordinatorError::UnknownTask(name.to_string()))
+    }
+
+    fn target(&self, name: &str) -> Result<&sqlx::PgPool, CoordinatorError> {
+        self.task(name)?;
+        self.inner
+            .targets
+            .get(name)
+            .ok_or_else(|| CoordinatorError::UnknownTask(name.to_string()))
+    }
+
+    /// Dead letters per status, or a warning when the target does not answer in time.
+    async fn dead_letter_counts(&self, task: &str) -> Result<HashMap<String, u64>, String> {
+        let Ok(target) = self.target(task) else {
+            return Ok(HashMap::new());
+        };
+        match tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            crate::dead_letters::counts(target, task),
+        )
+        .await
+        {
+            Ok(Ok(counts)) => Ok(counts.into_iter().collect()),
+            Ok(Err(error)) => Err(format!("dead letters unknown: the target did not answer ({error})")),
+            Err(_) => Err("dead letters unknown: the target did not answer within 3s".to_string()),
+        }
     }
 
     fn task_spec(&self, task: &PreparedTask, epoch: &EpochRecord) -> Result<pb::TaskSpec, CoordinatorError> {
@@ -79,16 +106,21 @@ impl CoordinatorService {
             schema_id: epoch.schema_id.clone(),
             staging_url: self.inner.staging_url.clone(),
             lease_ttl_ms: self.inner.leases.ttl().as_millis() as u64,
-            mode: match config.mode {
-                TaskMode::Upsert => "upsert".into(),
-                TaskMode::Append => "append".into(),
-            },
+            mode: config.mode.as_str().into(),
             version_column: task.version_column.clone().unwrap_or_default(),
             overlap_ms: config.overlap.as_millis() as u64,
             open_transaction_bound: config.open_transaction_bound,
             delete_source: delete_source.to_string(),
             delete_column: delete_column.to_string(),
             target_soft_deletes: config.target_deletes == TargetDeletes::Soft,
+            filter: config.filter.clone().unwrap_or_default(),
+            accumulate: match config
+                .accumulate_spec()
+                .map_err(|e| CoordinatorError::task_setup(&config.name, e))?
+            {
+                Some(spec) => serde_json::to_string(&spec).expect("spec serializes"),
+                None => String::new(),
+            },
         })
     }
 
@@ -474,6 +506,23 @@ impl AdminService for CoordinatorService {
             if let Some(DeletePolicy::TombstoneTable { retention }) = config.and_then(|c| c.delete_policy.as_ref()) {
                 warnings.extend(retention_warning(&task.shards, *retention));
             }
+            let dead_letters = match self.dead_letter_counts(&task.name).await {
+                Ok(counts) => counts,
+                Err(warning) => {
+                    warnings.push(warning);
+                    HashMap::new()
+                }
+            };
+            let open_letters: u64 = ["INIT", "RETRY", "PROCESSING", "FAILED"]
+                .iter()
+                .filter_map(|s| dead_letters.get(*s))
+                .sum();
+            if open_letters > 0 {
+                warnings.push(format!(
+                    "{open_letters} dead letters not resolved: see `tidemark-coordinator dead-letters list --task {}`",
+                    task.name
+                ));
+            }
             let last_reconcile = self.inner.control.last_reconcile(&task.name).await?;
             let estimated_rows = self
                 .inner
@@ -533,6 +582,8 @@ impl AdminService for CoordinatorService {
                 contract: config.map(|c| contract_proto(&contract::derive(c))),
                 last_reconcile,
                 estimated_rows,
+                dead_letters,
+                mode: config.map(|c| c.mode.as_str().to_string()).unwrap_or_default(),
             });
         }
         Ok(Response::new(pb::StatusResponse {
@@ -560,10 +611,11 @@ impl AdminService for CoordinatorService {
     async fn reconcile(&self, request: Request<pb::ReconcileRequest>) -> Result<Response<pb::ReconcileRun>, Status> {
         self.inner.leadership.require().await?;
         let request = request.into_inner();
-        if self.task(&request.task)?.config.mode == TaskMode::Append {
+        if self.task(&request.task)?.config.mode.appends() {
             return Err(CoordinatorError::InvalidRequest(format!(
-                "task {} is append-only: it reads inserts by key and has no versions to reconcile",
-                request.task
+                "task {} is {}: it reads inserts by key and has no versions to reconcile",
+                request.task,
+                self.task(&request.task)?.config.mode.as_str()
             ))
             .into());
         }
@@ -720,6 +772,44 @@ impl AdminService for CoordinatorService {
         Ok(Response::new(pb::OperationResponse {
             message: format!("worker {worker} is draining: it takes no new shard and gives back the ones it has"),
         }))
+    }
+
+    async fn list_dead_letters(
+        &self,
+        request: Request<pb::ListDeadLettersRequest>,
+    ) -> Result<Response<pb::DeadLetterList>, Status> {
+        let request = request.into_inner();
+        let status = Some(request.status.to_uppercase()).filter(|s| !s.is_empty());
+        let limit = if request.limit == 0 { 100 } else { request.limit };
+        let letters =
+            crate::dead_letters::list(self.target(&request.task)?, &request.task, status.as_deref(), limit).await?;
+        Ok(Response::new(pb::DeadLetterList { letters }))
+    }
+
+    async fn retry_dead_letters(
+        &self,
+        request: Request<pb::RetryDeadLettersRequest>,
+    ) -> Result<Response<pb::RetryDeadLettersResponse>, Status> {
+        let request = request.into_inner();
+        let task = self.task(&request.task)?;
+        let response = crate::dead_letters::retry(self.target(&request.task)?, task, &request.keys).await?;
+        Ok(Response::new(response))
+    }
+
+    async fn resolve_dead_letters(
+        &self,
+        request: Request<pb::ResolveDeadLettersRequest>,
+    ) -> Result<Response<pb::ResolveDeadLettersResponse>, Status> {
+        let request = request.into_inner();
+        let resolved = crate::dead_letters::resolve(
+            self.target(&request.task)?,
+            &request.task,
+            &request.keys,
+            request.all_failed,
+        )
+        .await?;
+        tracing::info!(task = %request.task, resolved, "dead letters resolved by the operator");
+        Ok(Response::new(pb::ResolveDeadLettersResponse { resolved }))
     }
 
     async fn resume_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::TaskResponse>, Status> {

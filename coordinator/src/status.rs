@@ -47,6 +47,10 @@ pub fn to_json(status: &pb::StatusResponse) -> serde_json::Value {
                 "overlap_ms": task.overlap_ms,
             });
             value["warnings"] = json!(task.warnings);
+            value["mode"] = json!(task.mode);
+            let dead_letters: std::collections::BTreeMap<&str, u64> =
+                task.dead_letters.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            value["dead_letters"] = json!(dead_letters);
             if let Some(contract) = &task.contract {
                 value["contract"] = json!({
                     "coverage": {
@@ -144,6 +148,12 @@ pub fn to_table(status: &pb::StatusResponse) -> String {
             task.late_max_micros as f64 / 1e6,
             task.overlap_ms as f64 / 1e3
         ));
+        if !task.dead_letters.is_empty() {
+            let mut counts: Vec<(&String, &u64)> = task.dead_letters.iter().collect();
+            counts.sort();
+            let counts: Vec<String> = counts.iter().map(|(s, n)| format!("{s} {n}")).collect();
+            out.push_str(&format!("  dead letters: {}\n", counts.join(", ")));
+        }
         for warning in &task.warnings {
             out.push_str(&format!("  warning: {warning}\n"));
         }

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use tidemark_common::config::{DeletePolicy, TaskMode};
+use tidemark_common::config::DeletePolicy;
 use tidemark_common::cursor::format_micros;
 use tidemark_common::duration::format_duration;
 use tidemark_common::pg::{self, TableName, connect_options, quote_ident};
@@ -77,7 +77,7 @@ async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Res
         pause(control, name, &reason).await?;
         return Ok(());
     }
-    if task.config.mode == TaskMode::Append {
+    if task.config.mode.appends() {
         let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
         let key = &task.config.key[0];
         let query = format!("SELECT max({})::bigint FROM {}", quote_ident(key), table.quoted());

@@ -9,4 +9,6 @@ CREATE TABLE IF NOT EXISTS tidemark_ledger (
     content_hash    text NOT NULL,
     fence           bigint NOT NULL,
     applied_at      timestamptz NOT NULL DEFAULT now()
-)
+);
+-- How many of the batch's rows went to the dead letters instead of the table.
+ALTER TABLE tidemark_ledger ADD COLUMN IF NOT EXISTS dead_letters bigint NOT NULL DEFAULT 0

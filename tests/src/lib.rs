@@ -263,6 +263,8 @@ pub struct TaskSettings {
     pub staging_retention: &'static str,
     /// Extra `key = value` lines for the `[coordinator]` table.
     pub coordinator_extra: String,
+    /// The target table; empty: the source table's name.
+    pub target_table: String,
 }
 
 impl Default for TaskSettings {
@@ -282,6 +284,7 @@ impl Default for TaskSettings {
             coordinator_env: Vec::new(),
             staging_retention: "1h",
             coordinator_extra: String::new(),
+            target_table: String::new(),
         }
     }
 }
@@ -340,7 +343,7 @@ name = "items"
 source = "{source}"
 source_table = "{source_table}"
 target = "{target}"
-target_table = "{source_table}"
+target_table = "{target_table}"
 key = [{key}]
 {cursor_line}
 shards = {shards}
@@ -359,6 +362,11 @@ open_transaction_bound = {bound}
             coordinator_extra = task.coordinator_extra,
             source = self.source.url,
             source_table = task.source_table,
+            target_table = if task.target_table.is_empty() {
+                &task.source_table
+            } else {
+                &task.target_table
+            },
             target = self.target.url,
             cursor_line = if task.cursor_column.is_empty() {
                 String::new()

@@ -239,6 +239,7 @@ async fn composite_key_ties_in_one_millisecond_survive_a_crash_between_pages() {
         cursor_column: Some("updated_at".into()),
         version_column: None,
         deletes: None,
+        filter: None,
     };
     let t: i64 = source_micros(&cluster.source, "(SELECT min(updated_at) FROM orders)").await;
     let after = [
@@ -394,11 +395,19 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
         cursor_column: Some("updated_at".into()),
         version_column: Some("tidemark_row_version".into()),
         deletes: None,
+        filter: None,
     };
-    let (outcome, _) = tidemark_worker::apply::apply_batch(&trigger.target.pool, &sql, &manifest, &data, None)
+    let batch = tidemark_worker::apply::BatchToApply {
+        sql: &sql,
+        write: &tidemark_worker::apply::TaskWrite::Upsert,
+        manifest: &manifest,
+        data: &data,
+        overlap: None,
+    };
+    let applied = tidemark_worker::apply::apply_batch(&trigger.target.pool, &batch)
         .await
         .unwrap();
-    assert_eq!(outcome, tidemark_worker::apply::ApplyOutcome::Applied);
+    assert_eq!(applied.outcome, tidemark_worker::apply::ApplyOutcome::Applied);
     assert_trigger_versions_equal(&trigger, "after re-applying an old batch").await;
 }
 

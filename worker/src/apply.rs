@@ -1,13 +1,24 @@
-//! Applying a batch to the target: ONE transaction that copies the staged rows into a
-//! session-local table, applies its tombstones and upserts its rows guarded by version (see
-//! `TableSql::apply_statements`), and writes the ledger row. A batch already in the ledger is
-//! not applied again.
+//! Applying a batch to the target: ONE transaction that writes its rows (the versioned upsert
+//! through a session-local stage table, or an accumulate task's deltas), its dead letters and
+//! the ledger row. A batch already in the ledger is not applied again.
+//!
+//! A row the target rejects (a value its column type refuses, an overflow, a NUL character, a
+//! constraint) fails the whole statement. The batch is then applied again in a new transaction
+//! that isolates such rows by bisection: halves are written under savepoints, a failing half is
+//! split again, and a failing single row becomes a dead letter. The rest of the batch, its dead
+//! letters and the ledger row commit together, so the shard moves past the bad rows without
+//! losing them.
 
 use bytes::Bytes;
 use sqlx::Row;
-use sqlx::postgres::PgPool;
+use sqlx::postgres::{PgConnection, PgPool};
 use tidemark_common::batch::Manifest;
+use tidemark_common::copy_text;
+use tidemark_common::dead_letters::{self, DeadLetter, Layout};
 use tidemark_common::pg::TableSql;
+use tidemark_common::pg::accumulate::AccumulateSql;
+use tidemark_common::transform::{AccumulateSpec, DeltaKey, Deltas, RowError, RowTransform};
+use tidemark_common::write;
 
 use crate::error::WorkerError;
 
@@ -16,6 +27,38 @@ pub enum ApplyOutcome {
     Applied,
     /// The ledger already held this batch (a replay after a crash, or a concurrent owner).
     AlreadyApplied,
+}
+
+/// What applying a batch did.
+#[derive(Debug)]
+pub struct Applied {
+    pub outcome: ApplyOutcome,
+    /// The lateness of each late row the batch brought in (microseconds).
+    pub late: Vec<i64>,
+    /// Rows that went to the dead letters.
+    pub dead_letters: u64,
+}
+
+impl Applied {
+    fn already() -> Applied {
+        Applied {
+            outcome: ApplyOutcome::AlreadyApplied,
+            late: Vec::new(),
+            dead_letters: 0,
+        }
+    }
+}
+
+/// How a task writes its rows.
+#[derive(Debug, Clone)]
+pub enum TaskWrite {
+    /// The versioned upsert (upsert and append modes).
+    Upsert,
+    /// Transform each row and add the batch's deltas to the running totals.
+    Accumulate {
+        spec: AccumulateSpec,
+        transform: RowTransform,
+    },
 }
 
 /// The overlap region of an incremental batch: rows below `floor_micros` were re-read by the
@@ -27,72 +70,270 @@ pub struct OverlapRegion {
     pub high_micros: i64,
 }
 
-/// Applies a batch; returns the outcome and the lateness of each late row it brought in.
-pub async fn apply_batch(
-    target: &PgPool,
-    sql: &TableSql,
-    manifest: &Manifest,
-    data: &Bytes,
-    overlap: Option<OverlapRegion>,
-) -> Result<(ApplyOutcome, Vec<i64>), WorkerError> {
-    match apply_once(target, sql, manifest, data, overlap).await {
-        Ok(outcome) => {
-            crate::metrics::step("verify", verify(target, manifest)).await?;
-            Ok(outcome)
+/// One batch as the apply sees it.
+pub struct BatchToApply<'a> {
+    pub sql: &'a TableSql,
+    pub write: &'a TaskWrite,
+    pub manifest: &'a Manifest,
+    pub data: &'a Bytes,
+    pub overlap: Option<OverlapRegion>,
+}
+
+impl BatchToApply<'_> {
+    fn layout(&self) -> Layout {
+        Layout {
+            target_layout: self.manifest.target_layout,
+            repair: self.manifest.repair,
+        }
+    }
+
+    fn overlap(&self) -> Option<(i64, i64)> {
+        self.overlap.map(|o| (o.floor_micros, o.high_micros))
+    }
+
+    fn dead_letter(&self, row: &[u8], error: RowError) -> DeadLetter {
+        DeadLetter {
+            key: dead_letters::row_key(self.sql, row),
+            payload: row.to_vec(),
+            error,
+        }
+    }
+}
+
+/// Applies a batch.
+pub async fn apply_batch(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
+    let attempt = match apply_once(target, batch).await {
+        Err(WorkerError::Database(error)) if dead_letters::row_error_class(&error).is_some() => {
+            tracing::warn!(batch_id = %batch.manifest.batch_id, %error,
+                "the target rejected a row; isolating the bad rows by bisection");
+            apply_isolating(target, batch).await
+        }
+        other => other,
+    };
+    match attempt {
+        Ok(applied) => {
+            crate::metrics::step("verify", verify(target, batch.manifest)).await?;
+            Ok(applied)
         }
         Err(error) => {
             // The outcome of a failed COMMIT is unknown: the ledger is the one answer.
-            if verify(target, manifest).await.is_ok() {
-                tracing::warn!(batch_id = %manifest.batch_id, %error, "apply reported an error but the ledger holds the batch");
-                return Ok((ApplyOutcome::AlreadyApplied, Vec::new()));
+            if verify(target, batch.manifest).await.is_ok() {
+                tracing::warn!(batch_id = %batch.manifest.batch_id, %error, "apply reported an error but the ledger holds the batch");
+                return Ok(Applied::already());
             }
             Err(error)
         }
     }
 }
 
-async fn apply_once(
-    target: &PgPool,
-    sql: &TableSql,
-    manifest: &Manifest,
-    data: &Bytes,
-    overlap: Option<OverlapRegion>,
-) -> Result<(ApplyOutcome, Vec<i64>), WorkerError> {
+async fn in_ledger(conn: &mut PgConnection, batch_id: &str) -> Result<bool, sqlx::Error> {
+    Ok(sqlx::query("SELECT 1 FROM tidemark_ledger WHERE batch_id = $1")
+        .bind(batch_id)
+        .fetch_optional(conn)
+        .await?
+        .is_some())
+}
+
+/// The whole batch in one go: the fast path, and the only one when no row is bad.
+async fn apply_once(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
+    let manifest = batch.manifest;
     let mut tx = target.begin().await?;
-    let applied = sqlx::query("SELECT 1 FROM tidemark_ledger WHERE batch_id = $1")
-        .bind(&manifest.batch_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-    if applied.is_some() {
+    if in_ledger(&mut tx, &manifest.batch_id).await? {
         tx.rollback().await?;
-        return Ok((ApplyOutcome::AlreadyApplied, Vec::new()));
+        return Ok(Applied::already());
     }
-    if manifest.target_layout && copy_straight_into_target(&mut tx, sql, manifest, data).await? {
-        return finish(tx, manifest, Vec::new()).await;
-    }
-    sqlx::query(sqlx::AssertSqlSafe(sql.create_stage_table()))
-        .execute(&mut *tx)
-        .await?;
-    let mut copy = tx
-        .copy_in_raw(&sql.copy_into_stage(manifest.repair, manifest.target_layout))
-        .await?;
-    copy.send(data.as_ref()).await?;
-    let copied = copy.finish().await?;
-    check_count(manifest, copied)?;
-    let late = match overlap {
-        Some(region) => {
-            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(
-                sql.late_rows(region.floor_micros, region.high_micros),
-            ))
-            .fetch_all(&mut *tx)
-            .await?
+    match batch.write {
+        TaskWrite::Upsert => {
+            if manifest.target_layout && copy_straight_into_target(&mut tx, batch).await? {
+                return finish(tx, batch, Vec::new(), Vec::new()).await;
+            }
+            let (copied, late) =
+                write::upsert_rows(&mut tx, batch.sql, batch.layout(), batch.data, batch.overlap()).await?;
+            check_count(manifest, copied)?;
+            finish(tx, batch, late, Vec::new()).await
         }
-        None => Vec::new(),
-    };
-    for statement in sql.apply_statements(manifest.repair) {
-        sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&mut *tx).await?;
+        TaskWrite::Accumulate { spec, transform } => {
+            let mut deltas = Deltas::default();
+            let mut letters = Vec::new();
+            for row in copy_text::rows(batch.data) {
+                match transform.elements(row) {
+                    Ok(keys) => deltas.add(keys),
+                    Err(error) => letters.push(batch.dead_letter(row, error)),
+                }
+            }
+            let summary = AccumulateSql { table: batch.sql, spec };
+            write::accumulate(&mut tx, &summary, &deltas).await?;
+            finish(tx, batch, Vec::new(), letters).await
+        }
     }
-    finish(tx, manifest, late).await
+}
+
+/// The batch again, bad rows isolated, in one transaction. Upsert: halves of the rows under
+/// savepoints until each failing row is alone, then it is a dead letter (with b bad rows
+/// among n this writes O(b·log n) subsets). Accumulate: the target rejects a group (a value
+/// its column refuses), so the groups are bisected instead, and every row contributing to a
+/// rejected group becomes a dead letter; the rest is written in one statement.
+async fn apply_isolating(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
+    let manifest = batch.manifest;
+    let mut tx = target.begin().await?;
+    if in_ledger(&mut tx, &manifest.batch_id).await? {
+        tx.rollback().await?;
+        return Ok(Applied::already());
+    }
+    let rows: Vec<&[u8]> = copy_text::rows(batch.data).collect();
+    check_count(manifest, rows.len() as u64)?;
+    let (letters, late, attempts) = match batch.write {
+        TaskWrite::Upsert => isolate_rows(&mut tx, batch, &rows).await?,
+        TaskWrite::Accumulate { spec, transform } => {
+            let summary = AccumulateSql { table: batch.sql, spec };
+            isolate_groups(&mut tx, batch, &summary, transform, &rows).await?
+        }
+    };
+    tracing::warn!(
+        batch_id = %manifest.batch_id, rows = rows.len(), dead_letters = letters.len(), attempts,
+        "bad rows isolated; they go to the dead letters with the rest of the batch"
+    );
+    finish(tx, batch, late, letters).await
+}
+
+/// Runs `SAVEPOINT`; the caller ends it with [`end_savepoint`].
+async fn savepoint(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("SAVEPOINT tidemark_isolate").execute(conn).await?;
+    Ok(())
+}
+
+/// Keeps (`keep`) or undoes the savepoint's work, and drops the savepoint.
+async fn end_savepoint(conn: &mut PgConnection, keep: bool) -> Result<(), sqlx::Error> {
+    if !keep {
+        sqlx::query("ROLLBACK TO SAVEPOINT tidemark_isolate")
+            .execute(&mut *conn)
+            .await?;
+    }
+    sqlx::query("RELEASE SAVEPOINT tidemark_isolate").execute(conn).await?;
+    Ok(())
+}
+
+type Isolated = (Vec<DeadLetter>, Vec<i64>, u64);
+
+async fn isolate_rows(
+    conn: &mut PgConnection,
+    batch: &BatchToApply<'_>,
+    rows: &[&[u8]],
+) -> Result<Isolated, WorkerError> {
+    let mut letters = Vec::new();
+    let mut late = Vec::new();
+    let mut pending = vec![(0, rows.len())];
+    let mut attempts = 0u64;
+    while let Some((lo, hi)) = pending.pop() {
+        if lo >= hi {
+            continue;
+        }
+        attempts += 1;
+        let mut data = Vec::new();
+        for row in &rows[lo..hi] {
+            data.extend_from_slice(row);
+            data.push(b'\n');
+        }
+        savepoint(conn).await?;
+        let written = write::upsert_rows(conn, batch.sql, batch.layout(), &data, batch.overlap()).await;
+        match written {
+            Ok((_, found_late)) => {
+                write::clear_stage(conn, batch.sql).await?;
+                end_savepoint(conn, true).await?;
+                late.extend(found_late);
+            }
+            Err(error) => {
+                let Some(row_error) = dead_letters::as_row_error(&error) else {
+                    return Err(error.into());
+                };
+                end_savepoint(conn, false).await?;
+                if hi - lo == 1 {
+                    letters.push(batch.dead_letter(rows[lo], row_error));
+                } else {
+                    let mid = lo + (hi - lo) / 2;
+                    pending.push((mid, hi));
+                    pending.push((lo, mid));
+                }
+            }
+        }
+    }
+    Ok((letters, late, attempts))
+}
+
+async fn isolate_groups(
+    conn: &mut PgConnection,
+    batch: &BatchToApply<'_>,
+    summary: &AccumulateSql<'_>,
+    transform: &RowTransform,
+    rows: &[&[u8]],
+) -> Result<Isolated, WorkerError> {
+    let mut letters = Vec::new();
+    let mut candidates: Vec<(usize, Vec<DeltaKey>)> = Vec::with_capacity(rows.len());
+    for (index, row) in rows.iter().enumerate() {
+        match transform.elements(row) {
+            Ok(keys) => candidates.push((index, keys)),
+            Err(error) => letters.push(batch.dead_letter(row, error)),
+        }
+    }
+    let mut attempts = 0u64;
+    loop {
+        let mut deltas = Deltas::default();
+        for (_, keys) in &candidates {
+            deltas.add(keys.iter().cloned());
+        }
+        attempts += 1;
+        savepoint(conn).await?;
+        let error = match write::accumulate(conn, summary, &deltas).await {
+            Ok(()) => {
+                end_savepoint(conn, true).await?;
+                return Ok((letters, Vec::new(), attempts));
+            }
+            Err(error) if dead_letters::row_error_class(&error).is_some() => error,
+            Err(error) => return Err(error.into()),
+        };
+        end_savepoint(conn, false).await?;
+        // Probe halves of the groups (always undone) until each rejected group is alone.
+        let entries = deltas.entries();
+        let mut rejected: std::collections::HashMap<DeltaKey, RowError> = std::collections::HashMap::new();
+        let mut pending = vec![(0, entries.len())];
+        while let Some((lo, hi)) = pending.pop() {
+            if lo >= hi {
+                continue;
+            }
+            attempts += 1;
+            savepoint(conn).await?;
+            let probe = write::accumulate(conn, summary, &Deltas::from_entries(entries[lo..hi].iter().copied())).await;
+            end_savepoint(conn, false).await?;
+            match probe {
+                Ok(()) => {}
+                Err(error) => {
+                    let Some(row_error) = dead_letters::as_row_error(&error) else {
+                        return Err(error.into());
+                    };
+                    if hi - lo == 1 {
+                        rejected.insert(entries[lo].0.clone(), row_error);
+                    } else {
+                        let mid = lo + (hi - lo) / 2;
+                        pending.push((mid, hi));
+                        pending.push((lo, mid));
+                    }
+                }
+            }
+        }
+        if rejected.is_empty() {
+            // Every group alone is fine, together they are not: not a row's fault.
+            return Err(error.into());
+        }
+        let before = candidates.len();
+        candidates.retain(|(index, keys)| match keys.iter().find_map(|k| rejected.get(k)) {
+            Some(row_error) => {
+                letters.push(batch.dead_letter(rows[*index], row_error.clone()));
+                false
+            }
+            None => true,
+        });
+        debug_assert!(candidates.len() < before);
+    }
 }
 
 fn check_count(manifest: &Manifest, copied: u64) -> Result<(), WorkerError> {
@@ -107,26 +348,25 @@ fn check_count(manifest: &Manifest, copied: u64) -> Result<(), WorkerError> {
 
 /// The snapshot's fast path: the rows go straight into the target table by COPY. It works
 /// when the target holds none of their keys (a fresh table); a key it already holds fails the
-/// primary key, and the savepoint falls back to the versioned upsert through the stage table.
+/// primary key (and a bad row fails its column), and the savepoint falls back to the
+/// versioned upsert through the stage table.
 async fn copy_straight_into_target(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    sql: &TableSql,
-    manifest: &Manifest,
-    data: &Bytes,
+    batch: &BatchToApply<'_>,
 ) -> Result<bool, WorkerError> {
     sqlx::query("SAVEPOINT tidemark_direct").execute(&mut **tx).await?;
     let attempt = async {
-        let mut copy = tx.copy_in_raw(&sql.copy_into_target()).await?;
-        copy.send(data.as_ref()).await?;
+        let mut copy = tx.copy_in_raw(&batch.sql.copy_into_target()).await?;
+        copy.send(batch.data.as_ref()).await?;
         copy.finish().await
     }
     .await;
     match attempt {
         Ok(copied) => {
-            check_count(manifest, copied)?;
+            check_count(batch.manifest, copied)?;
             Ok(true)
         }
-        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("23505") => {
+        Err(error) if dead_letters::row_error_class(&error).is_some() => {
             sqlx::query("ROLLBACK TO SAVEPOINT tidemark_direct")
                 .execute(&mut **tx)
                 .await?;
@@ -136,15 +376,29 @@ async fn copy_straight_into_target(
     }
 }
 
-/// Writes the ledger row and commits (or yields to a concurrent owner that applied it).
+/// Writes the dead letters and the ledger row, and commits (or yields to a concurrent owner
+/// that applied the batch).
 async fn finish(
     mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
-    manifest: &Manifest,
+    batch: &BatchToApply<'_>,
     late: Vec<i64>,
-) -> Result<(ApplyOutcome, Vec<i64>), WorkerError> {
+    letters: Vec<DeadLetter>,
+) -> Result<Applied, WorkerError> {
+    let manifest = batch.manifest;
+    if !letters.is_empty() {
+        dead_letters::insert(
+            &mut tx,
+            &manifest.task,
+            manifest.shard_id,
+            &manifest.batch_id,
+            batch.layout(),
+            &letters,
+        )
+        .await?;
+    }
     let inserted = sqlx::query(
-        "INSERT INTO tidemark_ledger (batch_id, task, epoch, shard_id, row_count, content_hash, fence) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (batch_id) DO NOTHING",
+        "INSERT INTO tidemark_ledger (batch_id, task, epoch, shard_id, row_count, content_hash, fence, dead_letters) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (batch_id) DO NOTHING",
     )
     .bind(&manifest.batch_id)
     .bind(&manifest.task)
@@ -153,6 +407,7 @@ async fn finish(
     .bind(manifest.row_count as i64)
     .bind(&manifest.content_hash)
     .bind(manifest.fence_token as i64)
+    .bind(letters.len() as i64)
     .execute(&mut *tx)
     .await?
     .rows_affected();
@@ -163,10 +418,14 @@ async fn finish(
     if inserted == 0 {
         // Another owner applied it concurrently; its transaction won.
         tx.rollback().await?;
-        return Ok((ApplyOutcome::AlreadyApplied, Vec::new()));
+        return Ok(Applied::already());
     }
     tx.commit().await?;
-    Ok((ApplyOutcome::Applied, late))
+    Ok(Applied {
+        outcome: ApplyOutcome::Applied,
+        late,
+        dead_letters: letters.len() as u64,
+    })
 }
 
 /// The ledger holds the batch with the manifest's row count and content.

@@ -17,6 +17,7 @@ pub struct WorkerMetrics {
     pub replays: CounterFamily,
     pub step_seconds: HistogramFamily,
     pub shards_lost: CounterFamily,
+    pub dead_letters: CounterFamily,
 }
 
 pub static METRICS: LazyLock<WorkerMetrics> = LazyLock::new(|| WorkerMetrics {
@@ -26,6 +27,7 @@ pub static METRICS: LazyLock<WorkerMetrics> = LazyLock::new(|| WorkerMetrics {
     replays: CounterFamily::default(),
     step_seconds: histogram_family(),
     shards_lost: CounterFamily::default(),
+    dead_letters: CounterFamily::default(),
 });
 
 /// The registry to serve, and the refresh to run before each scrape.
@@ -53,6 +55,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "tidemark_shards_lost",
         "Shards dropped because a commit was refused (stale fence, paused task, retired shard)",
         m.shards_lost.clone(),
+    );
+    registry.register(
+        "tidemark_dead_letters",
+        "Rows this worker sent to the dead letters (the target or the transform rejected them)",
+        m.dead_letters.clone(),
     );
     let refresh = register_trace_counters(&mut registry);
     (Arc::new(registry), refresh)

@@ -21,7 +21,7 @@ use tracing::Instrument;
 
 use crate::metrics;
 
-use crate::apply::{ApplyOutcome, OverlapRegion, apply_batch, ledger_holds};
+use crate::apply::{ApplyOutcome, BatchToApply, OverlapRegion, TaskWrite, apply_batch, ledger_holds};
 use crate::client::CoordinatorClient;
 use crate::error::WorkerError;
 use crate::resources::TaskResources;
@@ -40,6 +40,8 @@ pub struct ShardRun {
     pub snapshot_max_key: Option<KeyValue>,
     pub incremental_start: Cursor,
     pub sql: TableSql,
+    /// How rows reach the target (the upsert, or an accumulate task's transform).
+    pub write: TaskWrite,
     pub resources: TaskResources,
     /// Whether the source lets us see every open transaction (checked once per run).
     sees_all_transactions: Option<bool>,
@@ -163,6 +165,7 @@ impl ShardRun {
             cursor_column: Some(task.cursor_column.clone()).filter(|c| !c.is_empty()),
             version_column: Some(task.version_column.clone()).filter(|c| !c.is_empty()),
             deletes: None,
+            filter: Some(task.filter.clone()).filter(|f| !f.is_empty()),
         };
         let sql = TableSql {
             deletes: DeleteSql::from_spec(
@@ -175,6 +178,15 @@ impl ShardRun {
             .map_err(|e| bad("delete source", e))?,
             ..sql
         };
+        let write = if task.accumulate.is_empty() {
+            TaskWrite::Upsert
+        } else {
+            let spec: tidemark_common::transform::AccumulateSpec =
+                serde_json::from_str(&task.accumulate).map_err(|e| bad("accumulate spec", e.to_string()))?;
+            let transform = tidemark_common::transform::RowTransform::new(&spec, &sql.columns)
+                .map_err(|e| bad("accumulate spec", e))?;
+            TaskWrite::Accumulate { spec, transform }
+        };
         Ok(ShardRun {
             worker_id: worker_id.to_string(),
             epoch: assignment.epoch,
@@ -186,6 +198,7 @@ impl ShardRun {
             snapshot_max_key,
             incremental_start,
             sql,
+            write,
             resources,
             task,
             sees_all_transactions: None,
@@ -264,11 +277,13 @@ impl ShardRun {
         } else {
             overlap_region(&lower, &upper)
         };
-        let (outcome, late) = apply_batch(&self.resources.target, &self.sql, &manifest, &data, overlap).await?;
+        let applied = apply_batch(&self.resources.target, &self.batch(&manifest, &data, overlap)).await?;
+        self.count_dead_letters(&applied);
         tracing::info!(
             task = %self.task.name, shard = self.shard_id, batch_id = %manifest.batch_id,
-            rows = manifest.row_count, ?outcome, "replayed pending batch from staging"
+            rows = manifest.row_count, outcome = ?applied.outcome, "replayed pending batch from staging"
         );
+        let late = applied.late;
         let bounds = Bounds {
             batch_id: manifest.batch_id.clone(),
             lower,
@@ -366,7 +381,7 @@ impl ShardRun {
                     page_size,
                 ),
                 // A short snapshot page is the range's last: the shard moves on.
-                on_short: if self.task.mode == "append" {
+                on_short: if self.appends() {
                     Cursor::new(
                         epoch,
                         Position::Append {
@@ -423,13 +438,39 @@ impl ShardRun {
         }
     }
 
+    /// Rows are only ever inserted and read by key alone (append and accumulate modes).
+    fn appends(&self) -> bool {
+        matches!(self.task.mode.as_str(), "append" | "accumulate")
+    }
+
+    fn batch<'a>(
+        &'a self,
+        manifest: &'a Manifest,
+        data: &'a Bytes,
+        overlap: Option<OverlapRegion>,
+    ) -> BatchToApply<'a> {
+        BatchToApply {
+            sql: &self.sql,
+            write: &self.write,
+            manifest,
+            data,
+            overlap,
+        }
+    }
+
+    fn count_dead_letters(&self, applied: &crate::apply::Applied) {
+        if applied.dead_letters > 0 {
+            metrics::count(&metrics::METRICS.dead_letters, &self.task.name, applied.dead_letters);
+        }
+    }
+
     /// The cursor after a page whose last row is `(key, t)`.
     fn after_row(&self, plan: &ReadPlan, key: &[KeyValue], t_micros: Option<i64>, full: bool) -> Cursor {
         let key = Some(key.to_vec());
         match (&self.cursor.position, plan.cycle, full) {
             (Position::Snapshot { .. }, _, true) => Cursor::new(self.epoch, Position::Snapshot { after_key: key }),
             (Position::Append { .. }, _, _) => Cursor::new(self.epoch, Position::Append { after_key: key }),
-            (Position::Snapshot { .. }, _, false) if self.task.mode == "append" => {
+            (Position::Snapshot { .. }, _, false) if self.appends() => {
                 Cursor::new(self.epoch, Position::Append { after_key: key })
             }
             (Position::Incremental { .. }, Some((floor, high)), true) => Cursor::new(
@@ -660,11 +701,13 @@ impl ShardRun {
         } else {
             overlap_region(&bounds.lower, &bounds.upper)
         };
-        let (outcome, late) = metrics::step(
+        let applied = metrics::step(
             "apply",
-            apply_batch(&self.resources.target, &self.sql, &manifest, &data, overlap),
+            apply_batch(&self.resources.target, &self.batch(&manifest, &data, overlap)),
         )
         .await?;
+        self.count_dead_letters(&applied);
+        let (outcome, late) = (applied.outcome, applied.late);
         if outcome == ApplyOutcome::Applied {
             metrics::count(&metrics::METRICS.rows_applied, &self.task.name, row_count);
         }

@@ -1,0 +1,177 @@
+//! Dead letters (invariant 9): a row that cannot be decoded, transformed or written goes to
+//! the target's `tidemark_dead_letters` table in the same transaction that applies the rest of
+//! its batch, so a bad row never blocks its shard and is never dropped silently.
+//!
+//! Status: `INIT` (written by a batch) → `PROCESSING` (claimed by a retry run) → `RESOLVED`
+//! (applied, in the same transaction as its data) or back to `RETRY`, and `FAILED` after
+//! `max_retries` failed retries. An operator may mark a row `RESOLVED` by hand.
+
+use sqlx::PgConnection;
+
+use crate::copy_text;
+use crate::pg::TableSql;
+use crate::transform::RowError;
+
+pub const TABLE: &str = "tidemark_dead_letters";
+pub const STATUSES: [&str; 5] = ["INIT", "RETRY", "PROCESSING", "RESOLVED", "FAILED"];
+/// A PROCESSING claim older than this belongs to a retry run that died; another may take it.
+pub const STALE_CLAIM_SECS: i64 = 300;
+
+/// The layout of a dead letter's payload: the COPY line as its batch staged it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Only the target's columns (key-ordered pages), else the staged layout with cursor time
+    /// (and delete flag).
+    pub target_layout: bool,
+    /// A reconciliation's repair row (carries the expected target version last).
+    pub repair: bool,
+}
+
+impl Layout {
+    pub fn as_str(&self) -> &'static str {
+        match (self.target_layout, self.repair) {
+            (true, false) => "target",
+            (true, true) => "target+repair",
+            (false, false) => "staged",
+            (false, true) => "staged+repair",
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Layout, String> {
+        let (target_layout, repair) = match text {
+            "target" => (true, false),
+            "target+repair" => (true, true),
+            "staged" => (false, false),
+            "staged+repair" => (false, true),
+            other => return Err(format!("unknown payload layout {other:?}")),
+        };
+        Ok(Layout { target_layout, repair })
+    }
+}
+
+/// One row bound for the dead letters.
+#[derive(Debug, Clone)]
+pub struct DeadLetter {
+    pub key: String,
+    pub payload: Vec<u8>,
+    pub error: RowError,
+}
+
+/// The key of a staged row as dead letters store it: the value of a single key column, a JSON
+/// array of the values of a composite key.
+pub fn row_key(sql: &TableSql, row: &[u8]) -> String {
+    let values: Vec<String> = sql
+        .key_positions()
+        .into_iter()
+        .map(|i| {
+            copy_text::raw_field(row, i)
+                .map(|raw| match copy_text::decode_field(raw) {
+                    Ok(Some(text)) => text,
+                    Ok(None) => "NULL".to_string(),
+                    Err(_) => String::from_utf8_lossy(raw).into_owned(),
+                })
+                .unwrap_or_default()
+        })
+        .collect();
+    match values.as_slice() {
+        [one] => one.clone(),
+        _ => serde_json::to_string(&values).expect("strings serialize"),
+    }
+}
+
+/// The condition name of a database error that one row's values caused (a value the column
+/// type rejects, an overflow, a NUL character, a constraint), or `None` when the error is not
+/// about a row (connection, permissions, schema) and retrying the batch is the answer.
+pub fn row_error_class(error: &sqlx::Error) -> Option<String> {
+    let sqlx::Error::Database(db) = error else {
+        return None;
+    };
+    let code = db.code()?;
+    let name = match code.as_ref() {
+        "22001" => "string_data_right_truncation",
+        "22003" => "numeric_value_out_of_range",
+        "22007" => "invalid_datetime_format",
+        "22008" => "datetime_field_overflow",
+        "22012" => "division_by_zero",
+        "22021" => "character_not_in_repertoire",
+        "22023" => "invalid_parameter_value",
+        "22P02" => "invalid_text_representation",
+        "22P04" => "bad_copy_file_format",
+        "22P05" => "untranslatable_character",
+        "23502" => "not_null_violation",
+        "23503" => "foreign_key_violation",
+        "23505" => "unique_violation",
+        "23514" => "check_violation",
+        "54000" => "program_limit_exceeded",
+        other if other.starts_with("22") || other.starts_with("23") => {
+            return Some(format!("sqlstate_{other}"));
+        }
+        _ => return None,
+    };
+    Some(name.to_string())
+}
+
+/// The row error a database error stands for (its class and message), if it is one.
+pub fn as_row_error(error: &sqlx::Error) -> Option<RowError> {
+    let class = row_error_class(error)?;
+    let message = match error {
+        sqlx::Error::Database(db) => db.message().to_string(),
+        other => other.to_string(),
+    };
+    Some(RowError { class, message })
+}
+
+/// Writes a batch's dead letters (deduplicated by key, the last one kept). A key already in
+/// the table takes the new letter and starts over at INIT.
+pub async fn insert(
+    conn: &mut PgConnection,
+    task: &str,
+    shard_id: u32,
+    batch_id: &str,
+    layout: Layout,
+    letters: &[DeadLetter],
+) -> Result<(), sqlx::Error> {
+    let mut by_key: std::collections::BTreeMap<&str, &DeadLetter> = std::collections::BTreeMap::new();
+    for letter in letters {
+        by_key.insert(letter.key.as_str(), letter);
+    }
+    let keys: Vec<&str> = by_key.keys().copied().collect();
+    let payloads: Vec<&[u8]> = by_key.values().map(|l| l.payload.as_slice()).collect();
+    let classes: Vec<&str> = by_key.values().map(|l| l.error.class.as_str()).collect();
+    let messages: Vec<&str> = by_key.values().map(|l| l.error.message.as_str()).collect();
+    sqlx::query(
+        "INSERT INTO tidemark_dead_letters AS d (task, key, shard_id, batch_id, payload, payload_layout, error_class, message) \
+         SELECT $1, k, $2, $3, p, $4, c, m FROM unnest($5::text[], $6::bytea[], $7::text[], $8::text[]) AS u(k, p, c, m) \
+         ON CONFLICT (task, key) DO UPDATE SET shard_id = EXCLUDED.shard_id, batch_id = EXCLUDED.batch_id, \
+         payload = EXCLUDED.payload, payload_layout = EXCLUDED.payload_layout, error_class = EXCLUDED.error_class, \
+         message = EXCLUDED.message, status = 'INIT', retry_count = 0, claimed_by = NULL, claimed_at = NULL, \
+         updated_at = now()",
+    )
+    .bind(task)
+    .bind(shard_id as i32)
+    .bind(batch_id)
+    .bind(layout.as_str())
+    .bind(&keys)
+    .bind(&payloads)
+    .bind(&classes)
+    .bind(&messages)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_round_trip() {
+        for target_layout in [false, true] {
+            for repair in [false, true] {
+                let layout = Layout { target_layout, repair };
+                assert_eq!(Layout::parse(layout.as_str()).unwrap(), layout);
+            }
+        }
+        assert!(Layout::parse("binary").is_err());
+    }
+}

@@ -1,0 +1,301 @@
+//! Dead letters as operators handle them, read from and written to each task's target:
+//! counts for `status`, `dead-letters list`, `retry` and `resolve`.
+//!
+//! A retry claims one row at a time by a conditional update (`INIT`/`RETRY` → `PROCESSING`,
+//! with this run's claim token), so of two concurrent runs exactly one gets each row. It then
+//! re-applies the row's staged payload (transform included) and marks it `RESOLVED` in the same
+//! transaction, guarded by its claim: the row's data and its status change commit together
+//! or not at all. A run that dies leaves its claim behind; after `STALE_CLAIM_SECS` another run
+//! may take the row over, and the dead run's guard would then fail.
+
+use std::collections::BTreeMap;
+
+use sqlx::Row;
+use sqlx::postgres::PgPool;
+use tidemark_common::dead_letters::{self, Layout, STALE_CLAIM_SECS};
+use tidemark_common::pg::TableSql;
+use tidemark_common::pg::accumulate::AccumulateSql;
+use tidemark_common::transform::{Deltas, RowError, RowTransform};
+use tidemark_common::write;
+use tidemark_proto::v1 as pb;
+
+use crate::error::CoordinatorError;
+use crate::planner::PreparedTask;
+
+/// Letters per status, e.g. `{"INIT": 37}`.
+pub async fn counts(target: &PgPool, task: &str) -> Result<BTreeMap<String, u64>, sqlx::Error> {
+    let rows = sqlx::query("SELECT status, count(*) FROM tidemark_dead_letters WHERE task = $1 GROUP BY status")
+        .bind(task)
+        .fetch_all(target)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| (row.get::<String, _>(0), row.get::<i64, _>(1) as u64))
+        .collect())
+}
+
+pub async fn list(
+    target: &PgPool,
+    task: &str,
+    status: Option<&str>,
+    limit: u32,
+) -> Result<Vec<pb::DeadLetter>, CoordinatorError> {
+    if let Some(status) = status
+        && !dead_letters::STATUSES.contains(&status)
+    {
+        return Err(CoordinatorError::InvalidRequest(format!(
+            "unknown status {status:?} (use one of {})",
+            dead_letters::STATUSES.join(", ")
+        )));
+    }
+    let rows = sqlx::query(
+        "SELECT key, shard_id, batch_id, payload, error_class, message, status, retry_count, \
+         to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), \
+         to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
+         FROM tidemark_dead_letters WHERE task = $1 AND ($2::text IS NULL OR status = $2) ORDER BY key LIMIT $3",
+    )
+    .bind(task)
+    .bind(status)
+    .bind(i64::from(limit.max(1)))
+    .fetch_all(target)
+    .await
+    .map_err(target_error)?;
+    Ok(rows
+        .into_iter()
+        .map(|row| pb::DeadLetter {
+            task: task.to_string(),
+            key: row.get(0),
+            shard_id: row.get::<i32, _>(1) as u32,
+            batch_id: row.get(2),
+            payload: String::from_utf8_lossy(&row.get::<Vec<u8>, _>(3)).into_owned(),
+            error_class: row.get(4),
+            message: row.get(5),
+            status: row.get(6),
+            retry_count: row.get::<i32, _>(7) as u32,
+            created_at: row.get(8),
+            updated_at: row.get(9),
+        })
+        .collect())
+}
+
+fn target_error(error: sqlx::Error) -> CoordinatorError {
+    CoordinatorError::InvalidRequest(format!("target database: {error}"))
+}
+
+/// How a task writes rows, for a retry.
+enum Writer {
+    Upsert(TableSql),
+    Accumulate {
+        sql: TableSql,
+        spec: tidemark_common::transform::AccumulateSpec,
+        transform: RowTransform,
+    },
+}
+
+impl Writer {
+    fn for_task(task: &PreparedTask) -> Result<Writer, CoordinatorError> {
+        let config = &task.config;
+        let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+        let sql = crate::planner::table_sql(task)?;
+        Ok(match config.accumulate_spec().map_err(setup)? {
+            None => Writer::Upsert(sql),
+            Some(spec) => {
+                let transform = RowTransform::new(&spec, &sql.columns).map_err(setup)?;
+                Writer::Accumulate { sql, spec, transform }
+            }
+        })
+    }
+
+    /// Writes one staged row; `Err(Ok(row error))` when the row is still bad.
+    async fn write(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        payload: &[u8],
+        layout: Layout,
+    ) -> Result<(), Result<RowError, sqlx::Error>> {
+        let classify = |e: sqlx::Error| match dead_letters::as_row_error(&e) {
+            Some(row_error) => Ok(row_error),
+            None => Err(e),
+        };
+        match self {
+            Writer::Upsert(sql) => {
+                let mut data = payload.to_vec();
+                data.push(b'\n');
+                write::upsert_rows(conn, sql, layout, &data, None)
+                    .await
+                    .map_err(classify)?;
+            }
+            Writer::Accumulate { sql, spec, transform } => {
+                let keys = transform.elements(payload).map_err(Ok)?;
+                let mut deltas = Deltas::default();
+                deltas.add(keys);
+                let summary = AccumulateSql { table: sql, spec };
+                write::accumulate(conn, &summary, &deltas).await.map_err(classify)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Claimable by a run that started at `started` (a parameter): INIT or RETRY (or a stale
+/// claim, older than `stale` seconds), and not touched since the run started, so that two
+/// concurrent runs try each row once between them.
+fn retryable(stale: &str, started: &str) -> String {
+    format!(
+        "(status IN ('INIT', 'RETRY') OR (status = 'PROCESSING' AND claimed_at < now() - make_interval(secs => {stale}))) \
+         AND updated_at < {started}"
+    )
+}
+
+/// Retries the task's INIT/RETRY letters (or just `keys`), one claimed row at a time.
+pub async fn retry(
+    target: &PgPool,
+    task: &PreparedTask,
+    keys: &[String],
+) -> Result<pb::RetryDeadLettersResponse, CoordinatorError> {
+    let name = task.config.name.as_str();
+    let writer = Writer::for_task(task)?;
+    let max_retries = task.config.max_retries.max(1) as i32;
+    let token = uuid::Uuid::new_v4().to_string();
+    let started: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT statement_timestamp()")
+        .fetch_one(target)
+        .await
+        .map_err(target_error)?;
+    let candidates: Vec<String> = if keys.is_empty() {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT key FROM tidemark_dead_letters WHERE task = $1 AND {} ORDER BY key",
+            retryable("$2", "$3")
+        )))
+        .bind(name)
+        .bind(STALE_CLAIM_SECS as f64)
+        .bind(started)
+        .fetch_all(target)
+        .await
+        .map_err(target_error)?
+    } else {
+        keys.to_vec()
+    };
+    let mut response = pb::RetryDeadLettersResponse::default();
+    for key in candidates {
+        let claimed = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE tidemark_dead_letters SET status = 'PROCESSING', claimed_by = $4, claimed_at = now(), \
+             updated_at = now() WHERE task = $1 AND key = $2 AND {} RETURNING payload, payload_layout",
+            retryable("$3", "$5")
+        )))
+        .bind(name)
+        .bind(&key)
+        .bind(STALE_CLAIM_SECS as f64)
+        .bind(&token)
+        .bind(started)
+        .fetch_optional(target)
+        .await
+        .map_err(target_error)?;
+        let Some(claimed) = claimed else {
+            response.skipped += 1;
+            continue;
+        };
+        let payload: Vec<u8> = claimed.get(0);
+        let layout = Layout::parse(&claimed.get::<String, _>(1)).map_err(CoordinatorError::InvalidRequest)?;
+        match retry_one(target, &writer, name, &key, &token, &payload, layout).await {
+            Ok(true) => response.resolved += 1,
+            Ok(false) => response.skipped += 1,
+            Err(Ok(row_error)) => {
+                let status: Option<String> = sqlx::query_scalar(
+                    "UPDATE tidemark_dead_letters SET retry_count = retry_count + 1, \
+                     status = CASE WHEN retry_count + 1 >= $4 THEN 'FAILED' ELSE 'RETRY' END, \
+                     error_class = $5, message = $6, claimed_by = NULL, claimed_at = NULL, updated_at = now() \
+                     WHERE task = $1 AND key = $2 AND claimed_by = $3 RETURNING status",
+                )
+                .bind(name)
+                .bind(&key)
+                .bind(&token)
+                .bind(max_retries)
+                .bind(&row_error.class)
+                .bind(&row_error.message)
+                .fetch_optional(target)
+                .await
+                .map_err(target_error)?;
+                match status.as_deref() {
+                    Some("FAILED") => response.failed += 1,
+                    Some(_) => response.retry += 1,
+                    None => response.skipped += 1,
+                }
+            }
+            Err(Err(error)) => {
+                // Not the row's fault (the target is down, …): give the claim back untouched.
+                let _ = sqlx::query(
+                    "UPDATE tidemark_dead_letters SET status = 'RETRY', claimed_by = NULL, claimed_at = NULL \
+                     WHERE task = $1 AND key = $2 AND claimed_by = $3",
+                )
+                .bind(name)
+                .bind(&key)
+                .bind(&token)
+                .execute(target)
+                .await;
+                return Err(target_error(error));
+            }
+        }
+    }
+    tracing::info!(
+        task = name,
+        resolved = response.resolved,
+        retry = response.retry,
+        failed = response.failed,
+        skipped = response.skipped,
+        "dead letters retried"
+    );
+    Ok(response)
+}
+
+/// Applies one claimed row and resolves it in one transaction. `Ok(false)`: the claim was
+/// taken over meanwhile (nothing committed).
+async fn retry_one(
+    target: &PgPool,
+    writer: &Writer,
+    task: &str,
+    key: &str,
+    token: &str,
+    payload: &[u8],
+    layout: Layout,
+) -> Result<bool, Result<RowError, sqlx::Error>> {
+    let mut tx = target.begin().await.map_err(Err)?;
+    writer.write(&mut tx, payload, layout).await?;
+    let resolved = sqlx::query(
+        "UPDATE tidemark_dead_letters SET status = 'RESOLVED', claimed_by = NULL, claimed_at = NULL, \
+         updated_at = now() WHERE task = $1 AND key = $2 AND status = 'PROCESSING' AND claimed_by = $3",
+    )
+    .bind(task)
+    .bind(key)
+    .bind(token)
+    .execute(&mut *tx)
+    .await
+    .map_err(Err)?
+    .rows_affected();
+    if resolved != 1 {
+        tx.rollback().await.map_err(Err)?;
+        return Ok(false);
+    }
+    tx.commit().await.map_err(Err)?;
+    Ok(true)
+}
+
+/// Marks letters RESOLVED by hand: the given keys (unless PROCESSING), or every FAILED one.
+pub async fn resolve(target: &PgPool, task: &str, keys: &[String], all_failed: bool) -> Result<u64, CoordinatorError> {
+    if keys.is_empty() && !all_failed {
+        return Err(CoordinatorError::InvalidRequest(
+            "name the keys to resolve, or pass --all-failed".into(),
+        ));
+    }
+    let resolved = sqlx::query(
+        "UPDATE tidemark_dead_letters SET status = 'RESOLVED', updated_at = now() WHERE task = $1 \
+         AND ((key = ANY($2) AND status <> 'PROCESSING') OR ($3 AND status = 'FAILED'))",
+    )
+    .bind(task)
+    .bind(keys)
+    .bind(all_failed)
+    .execute(target)
+    .await
+    .map_err(target_error)?
+    .rows_affected();
+    Ok(resolved)
+}
