@@ -589,6 +589,47 @@ cursor_column = "updated_at"
     }
 
     #[test]
+    fn accumulate_mode_rules() {
+        let accumulate = |lines: &str| {
+            let text = MINIMAL.replace(
+                "cursor_column = \"updated_at\"",
+                &format!("mode = \"accumulate\"\n{lines}"),
+            );
+            Config::parse(&text, "t.toml", env)
+        };
+        let good = "transform = { explode = \"$.apps[*].name\", from = \"event\", as = \"app\" }\n\
+                    group_by = [\"app\"]\naggregates = { n = \"count\", total = \"sum(amount)\" }\nfilter = \"type = 5\"";
+        let config = accumulate(good).unwrap();
+        let spec = config.tasks[0].accumulate_spec().unwrap().unwrap();
+        assert_eq!(spec.aggregates.len(), 2);
+        assert_eq!(spec.explode.unwrap().as_column, "app");
+        let err = accumulate("group_by = [\"app\"]").unwrap_err().to_string();
+        assert!(err.contains("accumulate mode needs group_by and aggregates"), "{err}");
+        let err = accumulate(&good.replace("sum(amount)", "avg(amount)"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("aggregate \"total\" = \"avg(amount)\""), "{err}");
+        let err = accumulate(&good.replace("$.apps", "apps")).unwrap_err().to_string();
+        assert!(
+            err.contains("transform.explode") && err.contains("must start with $"),
+            "{err}"
+        );
+        let err = accumulate(&good.replace("as = ", "into = ")).unwrap_err().to_string();
+        assert!(err.contains("unknown field `into`"), "{err}");
+        let upsert = |line: &str| {
+            let text = MINIMAL.replace(
+                "cursor_column = \"updated_at\"",
+                &format!("cursor_column = \"updated_at\"\n{line}"),
+            );
+            Config::parse(&text, "t.toml", env)
+        };
+        let err = upsert("filter = \"type = 5\"").unwrap_err().to_string();
+        assert!(err.contains("filter is for append and accumulate modes"), "{err}");
+        let err = upsert("group_by = [\"a\"]").unwrap_err().to_string();
+        assert!(err.contains("need mode = \"accumulate\""), "{err}");
+    }
+
+    #[test]
     fn delete_policies_and_contract_claims() {
         let with = |lines: &str| {
             MINIMAL.replace(

@@ -102,10 +102,51 @@ async fn bad_config_and_bad_tables_are_named() {
     let error = serve_error(&cluster, "text-cursor");
     assert!(error.contains("cursor_column \"name\" has type text"), "{error}");
 
+    // Accumulate tasks: a transform reading a column that does not exist, a JSON path that
+    // does not parse, and a summary table whose group_by is not unique.
+    cluster
+        .source
+        .exec("CREATE TABLE events (id bigint PRIMARY KEY, event text)")
+        .await;
+    let accumulate = |transform: &str| TaskSettings {
+        source_table: "public.events".into(),
+        target_table: "public.app_stat".into(),
+        cursor_column: String::new(),
+        extra: format!(
+            "mode = \"accumulate\"\ntransform = {transform}\ngroup_by = [\"app\"]\naggregates = {{ n = \"count\" }}"
+        ),
+        ..TaskSettings::default()
+    };
+    cluster.write_config(&accumulate(
+        r#"{ explode = "$.apps[*]", from = "payload", as = "app" }"#,
+    ));
+    let error = serve_error(&cluster, "accumulate-missing-column");
+    assert!(
+        error.contains("transform.from \"payload\" does not exist in public.events"),
+        "{error}"
+    );
+    cluster.write_config(&accumulate(r#"{ explode = "apps[*]", from = "event", as = "app" }"#));
+    let error = serve_error(&cluster, "accumulate-bad-path");
+    assert!(
+        error.contains("transform.explode") && error.contains("must start with $"),
+        "{error}"
+    );
     // Nothing was planned for a task that failed validation.
     let tasks: i64 = sqlx::query_scalar("SELECT count(*) FROM tasks")
         .fetch_one(&cluster.control.pool)
         .await
         .unwrap();
     assert_eq!(tasks, 0);
+
+    // A target-side problem is found after planning (the plan is kept for the next start).
+    cluster
+        .target
+        .exec("CREATE TABLE app_stat (app text NOT NULL, n bigint NOT NULL)")
+        .await;
+    cluster.write_config(&accumulate(r#"{ explode = "$.apps[*]", from = "event", as = "app" }"#));
+    let error = serve_error(&cluster, "accumulate-not-unique");
+    assert!(
+        error.contains("summary table public.app_stat: no unique index or primary key covers exactly group_by (app)"),
+        "{error}"
+    );
 }
