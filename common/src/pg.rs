@@ -490,7 +490,9 @@ impl TableSql {
     }
 
     /// The versioned upsert: an older source version never overwrites a newer one, and a
-    /// kept tombstone blocks every version up to its own.
+    /// kept tombstone blocks every version up to its own. Rows go in key order: an incremental
+    /// page comes in cursor order, and key order turns its random index and heap visits into
+    /// a forward walk.
     pub fn upsert_from_stage(&self) -> String {
         let mut columns = self.target_columns();
         let mut values: Vec<String> = columns.iter().map(|c| format!("s.{c}")).collect();
@@ -517,8 +519,14 @@ impl TableSql {
             format!(" WHERE {}", conditions.join(" AND "))
         };
         format!(
-            "INSERT INTO {target} AS t ({cols}) SELECT {values} FROM {stage} s{where_clause} \
+            "INSERT INTO {target} AS t ({cols}) SELECT {values} FROM {stage} s{where_clause} ORDER BY {s_keys} \
              ON CONFLICT ({keys}) DO UPDATE SET {updates} WHERE t.{version} <= EXCLUDED.{version}",
+            s_keys = self
+                .key_columns
+                .iter()
+                .map(|k| format!("s.{}", quote_ident(k)))
+                .collect::<Vec<_>>()
+                .join(", "),
             target = self.target.quoted(),
             cols = columns.join(", "),
             values = values.join(", "),
