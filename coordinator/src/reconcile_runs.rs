@@ -104,6 +104,12 @@ impl ControlDb {
     ) -> Result<(), CoordinatorError> {
         let mut tx = self.pool().begin().await?;
         Self::lock_checkpoint(tx.acquire().await?, shard, fence).await?;
+        // Shards of one run report concurrently: without the run's lock, the last two could
+        // each see the other still PENDING, and neither would finish the run.
+        sqlx::query("SELECT 1 FROM reconcile_runs WHERE id = $1 FOR UPDATE")
+            .bind(run_id as i64)
+            .execute(&mut *tx)
+            .await?;
         sqlx::query(
             "UPDATE reconcile_shards SET state = 'DONE', ranges_compared = $3, rows_read = $4, keys_repaired = $5, \
              extra_in_target = $6, duration_ms = $7, finished_at = now() \
