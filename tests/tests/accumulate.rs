@@ -157,6 +157,19 @@ async fn assert_exact(cluster: &Cluster, context: &str) -> BTreeMap<String, Stri
     expected
 }
 
+/// `dead-letters retry` for the task, with JSON output.
+fn retry_args(address: &str) -> [&str; 7] {
+    [
+        "dead-letters",
+        "retry",
+        "--task",
+        "items",
+        "--json",
+        "--coordinator",
+        address,
+    ]
+}
+
 fn settings() -> TaskSettings {
     TaskSettings {
         source_table: "public.events".into(),
@@ -292,15 +305,7 @@ async fn concurrent_dead_letter_retries_count_each_row_once() {
     // Two retry runs at once over the same letters: each row is claimed by one of them.
     let retry = || {
         std::process::Command::new(tidemark_tests::binary("tidemark-coordinator"))
-            .args([
-                "dead-letters",
-                "retry",
-                "--task",
-                "items",
-                "--json",
-                "--coordinator",
-                cluster.address.as_str(),
-            ])
+            .args(retry_args(&cluster.address))
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -347,15 +352,7 @@ async fn concurrent_dead_letter_retries_count_each_row_once() {
     assert!(still_bad.values().all(|(_, _, retries)| *retries == 1));
 
     // The second failure reaches max_retries = 2: FAILED; counts do not move.
-    let (ok, stdout, stderr) = cluster.cli(&[
-        "dead-letters",
-        "retry",
-        "--task",
-        "items",
-        "--json",
-        "--coordinator",
-        cluster.address.as_str(),
-    ]);
+    let (ok, stdout, stderr) = cluster.cli(&retry_args(&cluster.address));
     assert!(ok, "{stderr}");
     let result: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(result["failed"].as_u64(), Some(bad.len() as u64), "{result}");

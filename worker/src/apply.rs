@@ -126,22 +126,47 @@ pub async fn apply_batch(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Ap
     }
 }
 
-async fn in_ledger(conn: &mut PgConnection, batch_id: &str) -> Result<bool, sqlx::Error> {
-    Ok(sqlx::query("SELECT 1 FROM tidemark_ledger WHERE batch_id = $1")
-        .bind(batch_id)
-        .fetch_optional(conn)
+/// The batch's transaction, or `None` when the ledger already holds the batch.
+async fn begin_unless_applied(
+    target: &PgPool,
+    manifest: &Manifest,
+) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, sqlx::Error> {
+    let mut tx = target.begin().await?;
+    let applied = sqlx::query("SELECT 1 FROM tidemark_ledger WHERE batch_id = $1")
+        .bind(&manifest.batch_id)
+        .fetch_optional(&mut *tx)
         .await?
-        .is_some())
+        .is_some();
+    if applied {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    Ok(Some(tx))
+}
+
+/// Each row's delta keys, and the rows the transform rejects as dead letters.
+fn transform_rows<'r>(
+    batch: &BatchToApply<'_>,
+    transform: &RowTransform,
+    rows: impl Iterator<Item = &'r [u8]>,
+) -> (Vec<(usize, Vec<DeltaKey>)>, Vec<DeadLetter>) {
+    let mut candidates = Vec::new();
+    let mut letters = Vec::new();
+    for (index, row) in rows.enumerate() {
+        match transform.elements(row) {
+            Ok(keys) => candidates.push((index, keys)),
+            Err(error) => letters.push(batch.dead_letter(row, error)),
+        }
+    }
+    (candidates, letters)
 }
 
 /// The whole batch in one go: the fast path, and the only one when no row is bad.
 async fn apply_once(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
     let manifest = batch.manifest;
-    let mut tx = target.begin().await?;
-    if in_ledger(&mut tx, &manifest.batch_id).await? {
-        tx.rollback().await?;
+    let Some(mut tx) = begin_unless_applied(target, manifest).await? else {
         return Ok(Applied::already());
-    }
+    };
     match batch.write {
         TaskWrite::Upsert => {
             if manifest.target_layout && copy_straight_into_target(&mut tx, batch).await? {
@@ -153,13 +178,10 @@ async fn apply_once(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied
             finish(tx, batch, late, Vec::new()).await
         }
         TaskWrite::Accumulate { spec, transform } => {
+            let (candidates, letters) = transform_rows(batch, transform, copy_text::rows(batch.data));
             let mut deltas = Deltas::default();
-            let mut letters = Vec::new();
-            for row in copy_text::rows(batch.data) {
-                match transform.elements(row) {
-                    Ok(keys) => deltas.add(keys),
-                    Err(error) => letters.push(batch.dead_letter(row, error)),
-                }
+            for (_, keys) in candidates {
+                deltas.add(keys);
             }
             let summary = AccumulateSql { table: batch.sql, spec };
             write::accumulate(&mut tx, &summary, &deltas).await?;
@@ -175,11 +197,9 @@ async fn apply_once(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied
 /// rejected group becomes a dead letter; the rest is written in one statement.
 async fn apply_isolating(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
     let manifest = batch.manifest;
-    let mut tx = target.begin().await?;
-    if in_ledger(&mut tx, &manifest.batch_id).await? {
-        tx.rollback().await?;
+    let Some(mut tx) = begin_unless_applied(target, manifest).await? else {
         return Ok(Applied::already());
-    }
+    };
     let rows: Vec<&[u8]> = copy_text::rows(batch.data).collect();
     check_count(manifest, rows.len() as u64)?;
     let (letters, late, attempts) = match batch.write {
@@ -267,14 +287,7 @@ async fn isolate_groups(
     transform: &RowTransform,
     rows: &[&[u8]],
 ) -> Result<Isolated, WorkerError> {
-    let mut letters = Vec::new();
-    let mut candidates: Vec<(usize, Vec<DeltaKey>)> = Vec::with_capacity(rows.len());
-    for (index, row) in rows.iter().enumerate() {
-        match transform.elements(row) {
-            Ok(keys) => candidates.push((index, keys)),
-            Err(error) => letters.push(batch.dead_letter(row, error)),
-        }
-    }
+    let (mut candidates, mut letters) = transform_rows(batch, transform, rows.iter().copied());
     let mut attempts = 0u64;
     loop {
         let mut deltas = Deltas::default();
