@@ -55,9 +55,10 @@ pub struct Manifest {
     pub fence_token: u64,
     /// Path of the data object inside the staging store.
     pub data_path: String,
-    /// `pg_copy_text+lz4`: PostgreSQL's COPY text stream, LZ4-compressed in the object
-    /// (`pg_copy_text`: uncompressed, as staged by earlier versions). `byte_size` and
-    /// `content_hash` are of the uncompressed stream.
+    /// `pg_copy_text+lz4` or `pg_copy_binary+lz4`: PostgreSQL's COPY stream in that format,
+    /// LZ4-compressed in the object (`pg_copy_text`: uncompressed, as staged by earlier
+    /// versions). `byte_size` and `content_hash` are of the uncompressed stream. See
+    /// `copy_format::CopyFormat`.
     pub data_format: String,
     /// A reconciliation's repair batch: its bounds are equal (the cursor does not move) and
     /// each row carries the target version the comparison saw (see `pg::EXPECTED_COLUMN`).
@@ -69,9 +70,9 @@ pub struct Manifest {
     pub target_layout: bool,
 }
 
-pub const DATA_FORMAT_PG_COPY_TEXT: &str = "pg_copy_text";
-/// The staged object: the COPY text as an LZ4 block (uncompressed size prepended).
-pub const DATA_FORMAT_PG_COPY_TEXT_LZ4: &str = "pg_copy_text+lz4";
+/// The suffix of `data_format` for an object stored as an LZ4 block (uncompressed size
+/// prepended).
+pub const LZ4_SUFFIX: &str = "+lz4";
 
 #[cfg(test)]
 mod tests {

@@ -8,6 +8,7 @@
 
 use sqlx::PgConnection;
 
+use crate::copy_format::CopyFormat;
 use crate::copy_text;
 use crate::pg::TableSql;
 use crate::transform::RowError;
@@ -17,7 +18,7 @@ pub const STATUSES: [&str; 5] = ["INIT", "RETRY", "PROCESSING", "RESOLVED", "FAI
 /// A PROCESSING claim older than this belongs to a retry run that died; another may take it.
 pub const STALE_CLAIM_SECS: i64 = 300;
 
-/// The layout of a dead letter's payload: the COPY line as its batch staged it.
+/// The layout of a dead letter's payload: the row as its batch staged it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
     /// Only the target's columns (key-ordered pages), else the staged layout with cursor time
@@ -25,27 +26,49 @@ pub struct Layout {
     pub target_layout: bool,
     /// A reconciliation's repair row (carries the expected target version last).
     pub repair: bool,
+    /// The row's COPY format: a text line, or a binary tuple.
+    pub format: CopyFormat,
 }
 
 impl Layout {
-    pub fn as_str(&self) -> &'static str {
-        match (self.target_layout, self.repair) {
-            (true, false) => "target",
-            (true, true) => "target+repair",
-            (false, false) => "staged",
-            (false, true) => "staged+repair",
+    /// `target` or `staged`, then `+repair` and `+binary` where they apply.
+    pub fn name(&self) -> String {
+        let mut name = if self.target_layout { "target" } else { "staged" }.to_string();
+        if self.repair {
+            name.push_str("+repair");
         }
+        if self.format == CopyFormat::Binary {
+            name.push_str("+binary");
+        }
+        name
     }
 
     pub fn parse(text: &str) -> Result<Layout, String> {
-        let (target_layout, repair) = match text {
-            "target" => (true, false),
-            "target+repair" => (true, true),
-            "staged" => (false, false),
-            "staged+repair" => (false, true),
-            other => return Err(format!("unknown payload layout {other:?}")),
+        let unknown = || format!("unknown payload layout {text:?}");
+        let mut parts = text.split('+');
+        let target_layout = match parts.next() {
+            Some("target") => true,
+            Some("staged") => false,
+            _ => return Err(unknown()),
         };
-        Ok(Layout { target_layout, repair })
+        let mut layout = Layout {
+            target_layout,
+            repair: false,
+            format: CopyFormat::Text,
+        };
+        for part in parts {
+            match part {
+                "repair" if !layout.repair => layout.repair = true,
+                "binary" if layout.format == CopyFormat::Text => layout.format = CopyFormat::Binary,
+                _ => return Err(unknown()),
+            }
+        }
+        Ok(layout)
+    }
+
+    /// A COPY stream of one stored payload, ready for `COPY … FROM STDIN`.
+    pub fn stream(&self, payload: &[u8]) -> Vec<u8> {
+        self.format.join([payload])
     }
 }
 
@@ -59,18 +82,18 @@ pub struct DeadLetter {
 
 /// The key of a staged row as dead letters store it: the value of a single key column, a JSON
 /// array of the values of a composite key.
-pub fn row_key(sql: &TableSql, row: &[u8]) -> String {
+pub fn row_key(sql: &TableSql, format: CopyFormat, row: &[u8]) -> String {
     let values: Vec<String> = sql
         .key_positions()
         .into_iter()
-        .map(|i| {
-            copy_text::raw_field(row, i)
-                .map(|raw| match copy_text::decode_field(raw) {
-                    Ok(Some(text)) => text,
-                    Ok(None) => "NULL".to_string(),
-                    Err(_) => String::from_utf8_lossy(raw).into_owned(),
-                })
-                .unwrap_or_default()
+        .zip(sql.key_types())
+        .map(|(i, sql_type)| match format.field_text(row, i, &sql_type) {
+            Ok(Some(text)) => text,
+            Ok(None) => "NULL".to_string(),
+            Err(_) => match (format, copy_text::raw_field(row, i)) {
+                (CopyFormat::Text, Some(raw)) => String::from_utf8_lossy(raw).into_owned(),
+                _ => String::new(),
+            },
         })
         .collect();
     match values.as_slice() {
@@ -96,6 +119,7 @@ pub fn row_error_class(error: &sqlx::Error) -> Option<String> {
         "22021" => "character_not_in_repertoire",
         "22023" => "invalid_parameter_value",
         "22P02" => "invalid_text_representation",
+        "22P03" => "invalid_binary_representation",
         "22P04" => "bad_copy_file_format",
         "22P05" => "untranslatable_character",
         "23502" => "not_null_violation",
@@ -150,7 +174,7 @@ pub async fn insert(
     .bind(task)
     .bind(shard_id as i32)
     .bind(batch_id)
-    .bind(layout.as_str())
+    .bind(layout.name())
     .bind(&keys)
     .bind(&payloads)
     .bind(&classes)
@@ -168,10 +192,19 @@ mod tests {
     fn layouts_round_trip() {
         for target_layout in [false, true] {
             for repair in [false, true] {
-                let layout = Layout { target_layout, repair };
-                assert_eq!(Layout::parse(layout.as_str()).unwrap(), layout);
+                for format in [CopyFormat::Text, CopyFormat::Binary] {
+                    let layout = Layout {
+                        target_layout,
+                        repair,
+                        format,
+                    };
+                    assert_eq!(Layout::parse(&layout.name()).unwrap(), layout);
+                }
             }
         }
-        assert!(Layout::parse("binary").is_err());
+        assert_eq!(Layout::parse("staged+repair").unwrap().format, CopyFormat::Text);
+        for bad in ["binary", "target+binary+binary", "staged+lz4", ""] {
+            assert!(Layout::parse(bad).is_err(), "{bad}");
+        }
     }
 }

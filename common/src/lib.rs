@@ -5,6 +5,8 @@
 pub mod batch;
 pub mod config;
 pub mod contract;
+pub mod copy_binary;
+pub mod copy_format;
 pub mod copy_text;
 pub mod crash;
 pub mod cursor;

@@ -5,6 +5,7 @@
 //! Sessions that run this SQL set `standard_conforming_strings = on`, under which doubling a
 //! single quote is the complete escaping of a string literal.
 
+use crate::copy_format::CopyFormat;
 use crate::cursor::{KeyValue, ShardRange};
 
 pub mod accumulate;
@@ -118,6 +119,10 @@ pub struct TableSql {
     /// A predicate on the source rows a task reads (`filter`, append and accumulate modes),
     /// written by the operator in the source's SQL.
     pub filter: Option<String>,
+    /// The COPY format of the pages the worker reads (snapshot, append and incremental pages
+    /// and the delete-log pages beside them). Binary only when the target's column types
+    /// equal the source's; reconciliation reads text.
+    pub page_format: CopyFormat,
 }
 
 impl TableSql {
@@ -332,8 +337,9 @@ impl TableSql {
             format!(" WHERE {}", conditions.join(" AND "))
         };
         format!(
-            "COPY (SELECT {list} FROM {}{where_clause} ORDER BY {order} LIMIT {limit}) TO STDOUT",
-            self.source.quoted()
+            "COPY (SELECT {list} FROM {}{where_clause} ORDER BY {order} LIMIT {limit}) TO STDOUT{}",
+            self.source.quoted(),
+            self.page_format.copy_option()
         )
     }
 
@@ -371,7 +377,10 @@ impl TableSql {
         high: i64,
     ) -> String {
         let copy = self.incremental_page(range, t_micros, Some(after_key), high, 1000);
-        let select = copy.trim_start_matches("COPY (").trim_end_matches(") TO STDOUT");
+        let select = copy
+            .trim_start_matches("COPY (")
+            .trim_end_matches(self.page_format.copy_option())
+            .trim_end_matches(") TO STDOUT");
         format!("EXPLAIN {select}")
     }
 
@@ -421,8 +430,8 @@ impl TableSql {
     }
 
     /// `COPY stage (…) FROM STDIN` for the staged layout (plus the expected version in a
-    /// repair batch).
-    pub fn copy_into_stage(&self, repair: bool, target_layout: bool) -> String {
+    /// repair batch), in the batch's format.
+    pub fn copy_into_stage(&self, repair: bool, target_layout: bool, format: CopyFormat) -> String {
         let mut columns = if target_layout {
             self.target_columns()
         } else {
@@ -431,16 +440,22 @@ impl TableSql {
         if repair {
             columns.push(quote_ident(EXPECTED_COLUMN));
         }
-        format!("COPY {} ({}) FROM STDIN", self.stage_table(), columns.join(", "))
+        format!(
+            "COPY {} ({}) FROM STDIN{}",
+            self.stage_table(),
+            columns.join(", "),
+            format.copy_option()
+        )
     }
 
     /// `COPY target (…) FROM STDIN` for a batch in the target's layout whose keys the target
     /// does not hold (the snapshot's fast path).
-    pub fn copy_into_target(&self) -> String {
+    pub fn copy_into_target(&self, format: CopyFormat) -> String {
         format!(
-            "COPY {} ({}) FROM STDIN",
+            "COPY {} ({}) FROM STDIN{}",
             self.target.quoted(),
-            self.target_columns().join(", ")
+            self.target_columns().join(", "),
+            format.copy_option()
         )
     }
 
@@ -537,6 +552,26 @@ impl TableSql {
     }
 }
 
+/// A table's columns: name, type as `format_type` prints it, and whether the type is built in
+/// (a binary array or record names its element types by OID, which differ between
+/// databases). `$1`: the quoted table name.
+pub const COLUMN_TYPES: &str = "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.atttypid < 16384 \
+     FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped";
+
+impl TableSql {
+    /// Whether binary pages can go from the source into the target: every task column is of
+    /// a built-in type whose name (with modifiers) is the same in `types`, one table's
+    /// [`COLUMN_TYPES`]; in the target (`target`) the version column is a `bigint`.
+    pub fn binary_types_match(&self, types: &[(String, String, bool)], target: bool) -> bool {
+        let find = |name: &str| types.iter().find(|(n, _, _)| n == name);
+        let columns_match = self
+            .columns
+            .iter()
+            .all(|c| find(&c.name).is_some_and(|(_, t, builtin)| *builtin && *t == c.sql_type));
+        columns_match && (!target || find(VERSION_COLUMN).is_some_and(|(_, t, _)| t == "bigint"))
+    }
+}
+
 /// Connection options for every Tidemark session: UTC, standard-conforming strings (which
 /// the literal quoting above relies on) and an application name that shows in
 /// `pg_stat_activity`.
@@ -626,6 +661,7 @@ mod tests {
             version_column: None,
             deletes: None,
             filter: None,
+            page_format: CopyFormat::Text,
         }
     }
 

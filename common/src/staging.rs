@@ -11,7 +11,7 @@ use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
-use crate::batch::{DATA_FORMAT_PG_COPY_TEXT_LZ4, Manifest, content_hash};
+use crate::batch::{LZ4_SUFFIX, Manifest, content_hash};
 use crate::crash;
 use crate::redact::redact_url;
 
@@ -139,7 +139,9 @@ impl Staging {
                 .await;
             crash::kill("mid_data");
         }
-        manifest.data_format = DATA_FORMAT_PG_COPY_TEXT_LZ4.to_string();
+        if !manifest.data_format.ends_with(LZ4_SUFFIX) {
+            manifest.data_format.push_str(LZ4_SUFFIX);
+        }
         self.put_data(&manifest.data_path, &manifest.content_hash, compress(&data))
             .await?;
         crash::point("after_data");

@@ -9,7 +9,7 @@ use crate::pg::TableSql;
 use crate::pg::accumulate::AccumulateSql;
 use crate::transform::Deltas;
 
-/// Copies COPY-text rows (in `layout`) into the session's stage table and applies them with the
+/// Copies a COPY stream (in `layout`) into the session's stage table and applies them with the
 /// versioned upsert (and tombstones). `overlap = (floor, high)`: first report the lateness of
 /// rows below the watermark that the target lacks. Returns the rows copied and the lateness.
 pub async fn upsert_rows(
@@ -23,7 +23,7 @@ pub async fn upsert_rows(
         .execute(&mut *conn)
         .await?;
     let mut copy = conn
-        .copy_in_raw(&sql.copy_into_stage(layout.repair, layout.target_layout))
+        .copy_in_raw(&sql.copy_into_stage(layout.repair, layout.target_layout, layout.format))
         .await?;
     copy.send(data).await?;
     let copied = copy.finish().await?;

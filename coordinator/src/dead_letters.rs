@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 
 use sqlx::Row;
 use sqlx::postgres::PgPool;
+use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::dead_letters::{self, Layout, STALE_CLAIM_SECS};
 use tidemark_common::pg::TableSql;
 use tidemark_common::pg::accumulate::AccumulateSql;
@@ -34,6 +35,14 @@ pub async fn counts(target: &PgPool, task: &str) -> Result<BTreeMap<String, u64>
         .collect())
 }
 
+/// A payload as `list` shows it: a text row as its COPY line, a binary tuple in hex (`\x…`).
+fn payload_text(payload: &[u8], layout: &str) -> String {
+    match Layout::parse(layout).map(|l| l.format) {
+        Ok(CopyFormat::Text) => String::from_utf8_lossy(payload).into_owned(),
+        _ => format!("\\x{}", hex::encode(payload)),
+    }
+}
+
 pub async fn list(
     target: &PgPool,
     task: &str,
@@ -51,7 +60,7 @@ pub async fn list(
     let rows = sqlx::query(
         "SELECT key, shard_id, batch_id, payload, error_class, message, status, retry_count, \
          to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), \
-         to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
+         to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), payload_layout \
          FROM tidemark_dead_letters WHERE task = $1 AND ($2::text IS NULL OR status = $2) ORDER BY key LIMIT $3",
     )
     .bind(task)
@@ -67,7 +76,7 @@ pub async fn list(
             key: row.get(0),
             shard_id: row.get::<i32, _>(1) as u32,
             batch_id: row.get(2),
-            payload: String::from_utf8_lossy(&row.get::<Vec<u8>, _>(3)).into_owned(),
+            payload: payload_text(&row.get::<Vec<u8>, _>(3), &row.get::<String, _>(10)),
             error_class: row.get(4),
             message: row.get(5),
             status: row.get(6),
@@ -119,9 +128,7 @@ impl Writer {
         };
         match self {
             Writer::Upsert(sql) => {
-                let mut data = payload.to_vec();
-                data.push(b'\n');
-                write::upsert_rows(conn, sql, layout, &data, None)
+                write::upsert_rows(conn, sql, layout, &layout.stream(payload), None)
                     .await
                     .map_err(classify)?;
             }

@@ -12,6 +12,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::config::{
     DeletePolicy, TRIGGER_VERSION_COLUMN, TargetDeletes, TaskConfig, TaskMode, VersionConfig,
 };
+use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, plan_ranges};
 use tidemark_common::pg::deletes::delete_log_table;
 use tidemark_common::pg::{
@@ -380,6 +381,7 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         version_column: source.version_column.clone(),
         deletes: delete_sql(config)?,
         filter: config.filter.clone(),
+        page_format: CopyFormat::Text,
     };
     ensure_target(&target, config, &sql, &not_null).await?;
     target.close().await;
@@ -444,6 +446,7 @@ pub fn table_sql(task: &PreparedTask) -> Result<TableSql, CoordinatorError> {
         version_column: task.version_column.clone(),
         deletes: delete_sql(config)?,
         filter: config.filter.clone(),
+        page_format: CopyFormat::Text,
     })
 }
 
@@ -490,6 +493,7 @@ pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<u64
         version_column: source.version_column,
         deletes: delete_sql(config)?,
         filter: config.filter.clone(),
+        page_format: CopyFormat::Text,
     };
     ensure_target(&target, config, &sql, &not_null).await?;
     target.close().await;

@@ -560,6 +560,29 @@ open_transaction_bound = {bound}
         batches.iter().map(|b| b.get(0)).collect()
     }
 
+    /// How many staged manifests name each data format (`pg_copy_binary+lz4`, …).
+    pub fn staged_formats(&self) -> BTreeMap<String, usize> {
+        fn walk(dir: &Path, formats: &mut BTreeMap<String, usize>) {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                return;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if path.is_dir() {
+                    walk(&path, formats);
+                } else if name.starts_with("manifest-") && name.ends_with(".json") {
+                    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+                    let format = manifest["data_format"].as_str().unwrap_or("?").to_string();
+                    *formats.entry(format).or_default() += 1;
+                }
+            }
+        }
+        let mut formats = BTreeMap::new();
+        walk(&self.dir.0.join("staging"), &mut formats);
+        formats
+    }
+
     /// Source clock now, in microseconds (the watermark is in source time).
     pub async fn source_now_micros(&self) -> i64 {
         sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")

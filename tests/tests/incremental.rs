@@ -240,6 +240,7 @@ async fn composite_key_ties_in_one_millisecond_survive_a_crash_between_pages() {
         version_column: None,
         deletes: None,
         filter: None,
+        page_format: tidemark_common::copy_format::CopyFormat::Text,
     };
     let t: i64 = source_micros(&cluster.source, "(SELECT min(updated_at) FROM orders)").await;
     let after = [
@@ -396,12 +397,14 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
         version_column: Some("tidemark_row_version".into()),
         deletes: None,
         filter: None,
+        page_format: tidemark_common::copy_format::CopyFormat::Text,
     };
     let batch = tidemark_worker::apply::BatchToApply {
         sql: &sql,
         write: &tidemark_worker::apply::TaskWrite::Upsert,
         manifest: &manifest,
         data: &data,
+        format: tidemark_common::copy_format::CopyFormat::from_data_format(&manifest.data_format).unwrap(),
         overlap: None,
     };
     let applied = tidemark_worker::apply::apply_batch(&trigger.target.pool, &batch)

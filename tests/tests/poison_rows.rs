@@ -1,6 +1,7 @@
 //! Poison rows in upsert mode (fault matrix S14): values the target's column types reject go
 //! to the dead letters in the transaction that applies the rest of their batch; every other
-//! key equals the source, and the shard keeps moving.
+//! key equals the source, and the shard keeps moving. In text batches (target types narrower
+//! than the source's) and in binary ones (equal types, constraints rejecting rows).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -41,12 +42,18 @@ const SOURCE_ROWS: &str = "SELECT id::text, name, amount::text, doc::jsonb::text
 const TARGET_ROWS: &str = "SELECT id::text, name::text, amount::text, doc::text, _tidemark_version FROM items";
 
 async fn assert_target_equals_source_except_poison(cluster: &Cluster, poison: &[String], context: &str) {
+    assert_equal_except(cluster, (SOURCE_ROWS, TARGET_ROWS), poison, context).await;
+}
+
+/// Every key of the target equals the source's (by the two queries), except the `poison` keys
+/// (`$POISON` in the source query), which the target must not hold.
+async fn assert_equal_except(cluster: &Cluster, queries: (&str, &str), poison: &[String], context: &str) {
     let list = format!(
-        "ARRAY[{}]",
+        "ARRAY[{}]::text[]",
         poison.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(",")
     );
-    let source = rows(&cluster.source, &SOURCE_ROWS.replace("$POISON", &list)).await;
-    let target = rows(&cluster.target, TARGET_ROWS).await;
+    let source = rows(&cluster.source, &queries.0.replace("$POISON", &list)).await;
+    let target = rows(&cluster.target, queries.1).await;
     let wrong: Vec<String> = source
         .keys()
         .chain(target.keys())
@@ -176,4 +183,174 @@ async fn poison_rows_go_to_dead_letters_and_the_rest_converges() {
             "key {key}"
         );
     }
+}
+
+/// id → class of the rows the target's constraints reject (binary batches).
+fn constraint_poison() -> BTreeMap<String, &'static str> {
+    let mut ids = BTreeMap::new();
+    for k in 0..12 {
+        ids.insert((100 + 1700 * k).to_string(), "check_violation");
+        ids.insert((900 + 1700 * k).to_string(), "not_null_violation");
+    }
+    ids.insert("30001".into(), "check_violation");
+    ids.insert("30002".into(), "not_null_violation");
+    ids
+}
+
+const BINARY_SOURCE_ROWS: &str = "SELECT id::text, name, amount::text, doc::text || ' ' || tag::text, \
+     (extract(epoch from updated_at) * 1000000)::bigint FROM items WHERE NOT (id::text = ANY($POISON))";
+const BINARY_TARGET_ROWS: &str =
+    "SELECT id::text, name, amount::text, doc::text || ' ' || tag::text, _tidemark_version FROM items";
+
+/// With the target's column types equal to the source's, pages are read, staged and applied
+/// as binary COPY. Rows its constraints reject are dead-lettered with binary payloads and
+/// retried from them; when a target column's type changes, the shards fall back to text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_type_change() {
+    let mut cluster = Cluster::new("binpoison").await;
+    cluster
+        .source
+        .exec(
+            "CREATE TABLE items (id bigint PRIMARY KEY, updated_at timestamptz(3) NOT NULL DEFAULT clock_timestamp(),
+                name text, amount numeric(12,2) NOT NULL, tag uuid NOT NULL DEFAULT gen_random_uuid(),
+                doc jsonb NOT NULL);
+             INSERT INTO items (id, name, amount, doc)
+             SELECT g, 'item-' || g || E'\\t\\n\\\\ \"é\"', (g % 800) + 0.25,
+                    jsonb_build_object('n', g, 's', E'tab\\there \"q\" \\\\ é')
+             FROM generate_series(1, 20000) g;
+             UPDATE items SET amount = 950 WHERE id % 1700 = 100;
+             UPDATE items SET name = NULL WHERE id % 1700 = 900;",
+        )
+        .await;
+    // The same types, but constraints the source does not have.
+    cluster
+        .target
+        .exec(
+            "CREATE TABLE items (id bigint PRIMARY KEY, updated_at timestamptz(3) NOT NULL,
+                name text NOT NULL, amount numeric(12,2) NOT NULL CONSTRAINT amount_below_900 CHECK (amount < 900),
+                tag uuid NOT NULL, doc jsonb NOT NULL, _tidemark_version bigint NOT NULL)",
+        )
+        .await;
+    let settings = TaskSettings {
+        shards: 4,
+        page_size: 1000,
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    cluster.spawn_worker("a", 4, &[]);
+    cluster.spawn_worker("b", 4, &[]);
+    cluster
+        .wait_for("the snapshot", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    cluster
+        .source
+        .exec(
+            "UPDATE items SET name = 'upd-' || id, updated_at = clock_timestamp() WHERE id % 10 = 3 AND name IS NOT NULL;
+             INSERT INTO items (id, name, amount, doc)
+             SELECT g, 'new-' || g, 1.5, '{}' FROM generate_series(30010, 30509) g;
+             INSERT INTO items (id, name, amount, doc) VALUES (30001, 'too much', 999, '{}'), (30002, NULL, 1, '{}');",
+        )
+        .await;
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(120)).await;
+
+    let poison = constraint_poison();
+    let poison_keys: Vec<String> = poison.keys().cloned().collect();
+    let queries = (BINARY_SOURCE_ROWS, BINARY_TARGET_ROWS);
+    assert_equal_except(&cluster, queries, &poison_keys, "binary batches").await;
+    let expected: BTreeMap<String, (String, String)> = poison
+        .iter()
+        .map(|(k, class)| (k.clone(), (class.to_string(), "INIT".to_string())))
+        .collect();
+    assert_eq!(
+        letters(&cluster.target).await,
+        expected,
+        "dead letters are exactly the 26 rejected rows"
+    );
+    let layouts: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT payload_layout FROM tidemark_dead_letters ORDER BY 1")
+            .fetch_all(&cluster.target.pool)
+            .await
+            .unwrap();
+    // (The incremental phase's overlap re-reads the snapshot's rows too, so most letters were
+    // last written by an incremental batch, in the staged layout.)
+    assert!(
+        !layouts.is_empty() && layouts.iter().all(|l| l.ends_with("+binary")),
+        "binary payloads: {layouts:?}"
+    );
+    let formats = cluster.staged_formats();
+    assert_eq!(
+        formats.keys().collect::<Vec<_>>(),
+        vec!["pg_copy_binary+lz4"],
+        "every batch was staged binary: {formats:?}"
+    );
+    let (ok, stdout, stderr) = cluster.cli(&[
+        "dead-letters",
+        "list",
+        "--task",
+        "items",
+        "--json",
+        "--coordinator",
+        &cluster.address,
+    ]);
+    assert!(ok, "{stderr}");
+    let listed: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let first = &listed["dead_letters"][0];
+    // A binary tuple in hex: 8 fields (6 columns, the version, the cursor time).
+    assert!(first["payload"].as_str().unwrap().starts_with("\\x0008"), "{first}");
+
+    // The operator drops the check: those rows land from their binary payloads, equal to
+    // the source; the NULL names fail again.
+    cluster
+        .target
+        .exec("ALTER TABLE items DROP CONSTRAINT amount_below_900")
+        .await;
+    let (ok, stdout, stderr) = cluster.cli(&[
+        "dead-letters",
+        "retry",
+        "--task",
+        "items",
+        "--json",
+        "--coordinator",
+        &cluster.address,
+    ]);
+    assert!(ok, "{stderr}");
+    let result: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(result["resolved"].as_u64(), Some(13), "{result}");
+    let null_names: Vec<String> = poison
+        .iter()
+        .filter(|(_, class)| **class == "not_null_violation")
+        .map(|(k, _)| k.clone())
+        .collect();
+    assert_equal_except(&cluster, queries, &null_names, "after the retry").await;
+
+    // A target column changes its type: binary batches no longer match it. They are abandoned
+    // and read again as text, and the changes still arrive.
+    cluster
+        .target
+        .exec("ALTER TABLE items ALTER COLUMN amount TYPE numeric(14,2)")
+        .await;
+    cluster
+        .source
+        .exec(
+            "UPDATE items SET amount = amount + 1, updated_at = clock_timestamp() WHERE id % 7 = 0 AND name IS NOT NULL",
+        )
+        .await;
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(120)).await;
+    assert_equal_except(&cluster, queries, &null_names, "after the type change").await;
+    let after = cluster.staged_formats();
+    assert!(
+        after.get("pg_copy_text+lz4").copied().unwrap_or(0) > 0,
+        "batches after the type change are text: {after:?}"
+    );
+    assert!(
+        after["pg_copy_binary+lz4"] <= formats["pg_copy_binary+lz4"] + settings.shards as usize,
+        "at most one binary batch per shard after the type change: {formats:?} → {after:?}"
+    );
+    let abandoned: i64 = sqlx::query_scalar("SELECT count(*) FROM batches WHERE state = 'ABANDONED'")
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap();
+    assert!(abandoned >= 1, "the mismatched binary batches were abandoned");
 }

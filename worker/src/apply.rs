@@ -8,12 +8,15 @@
 //! split again, and a failing single row becomes a dead letter. The rest of the batch, its dead
 //! letters and the ledger row commit together, so the shard moves past the bad rows without
 //! losing them.
+//!
+//! A binary batch (see `page_format`) also checks, inside its transaction and after its
+//! writes, that the target's column types are still the ones its bytes were read as.
 
 use bytes::Bytes;
 use sqlx::Row;
 use sqlx::postgres::{PgConnection, PgPool};
 use tidemark_common::batch::Manifest;
-use tidemark_common::copy_text;
+use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::dead_letters::{self, DeadLetter, Layout};
 use tidemark_common::pg::TableSql;
 use tidemark_common::pg::accumulate::AccumulateSql;
@@ -76,6 +79,8 @@ pub struct BatchToApply<'a> {
     pub write: &'a TaskWrite,
     pub manifest: &'a Manifest,
     pub data: &'a Bytes,
+    /// The data's COPY format, as the manifest names it.
+    pub format: CopyFormat,
     pub overlap: Option<OverlapRegion>,
 }
 
@@ -84,7 +89,15 @@ impl BatchToApply<'_> {
         Layout {
             target_layout: self.manifest.target_layout,
             repair: self.manifest.repair,
+            format: self.format,
         }
+    }
+
+    /// The batch's rows, each a text line or a binary tuple.
+    fn rows(&self) -> Result<Vec<&[u8]>, WorkerError> {
+        self.format
+            .rows(self.data)
+            .map_err(|e| WorkerError::Data(format!("batch {}: {e}", self.manifest.batch_id)))
     }
 
     fn overlap(&self) -> Option<(i64, i64)> {
@@ -93,7 +106,7 @@ impl BatchToApply<'_> {
 
     fn dead_letter(&self, row: &[u8], error: RowError) -> DeadLetter {
         DeadLetter {
-            key: dead_letters::row_key(self.sql, row),
+            key: dead_letters::row_key(self.sql, self.format, row),
             payload: row.to_vec(),
             error,
         }
@@ -102,6 +115,13 @@ impl BatchToApply<'_> {
 
 /// Applies a batch.
 pub async fn apply_batch(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
+    if matches!(batch.write, TaskWrite::Accumulate { .. }) && batch.format != CopyFormat::Text {
+        // The transform reads text fields; the worker never stages an accumulate task in binary.
+        return Err(WorkerError::Data(format!(
+            "batch {}: an accumulate task's batch must be COPY text",
+            batch.manifest.batch_id
+        )));
+    }
     let attempt = match apply_once(target, batch).await {
         Err(WorkerError::Database(error)) if dead_letters::row_error_class(&error).is_some() => {
             tracing::warn!(batch_id = %batch.manifest.batch_id, %error,
@@ -178,7 +198,7 @@ async fn apply_once(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied
             finish(tx, batch, late, Vec::new()).await
         }
         TaskWrite::Accumulate { spec, transform } => {
-            let (candidates, letters) = transform_rows(batch, transform, copy_text::rows(batch.data));
+            let (candidates, letters) = transform_rows(batch, transform, batch.rows()?.into_iter());
             let mut deltas = Deltas::default();
             for (_, keys) in candidates {
                 deltas.add(keys);
@@ -200,7 +220,11 @@ async fn apply_isolating(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Ap
     let Some(mut tx) = begin_unless_applied(target, manifest).await? else {
         return Ok(Applied::already());
     };
-    let rows: Vec<&[u8]> = copy_text::rows(batch.data).collect();
+    if batch.format == CopyFormat::Binary {
+        // A target column whose type changed rejects binary rows: that is no row's fault.
+        crate::page_format::check_target(&mut *tx, batch.sql).await?;
+    }
+    let rows = batch.rows()?;
     check_count(manifest, rows.len() as u64)?;
     let (letters, late, attempts) = match batch.write {
         TaskWrite::Upsert => isolate_rows(&mut tx, batch, &rows).await?,
@@ -249,11 +273,7 @@ async fn isolate_rows(
             continue;
         }
         attempts += 1;
-        let mut data = Vec::new();
-        for row in &rows[lo..hi] {
-            data.extend_from_slice(row);
-            data.push(b'\n');
-        }
+        let data = batch.format.join(rows[lo..hi].iter().copied());
         savepoint(conn).await?;
         let written = write::upsert_rows(conn, batch.sql, batch.layout(), &data, batch.overlap()).await;
         match written {
@@ -369,7 +389,7 @@ async fn copy_straight_into_target(
 ) -> Result<bool, WorkerError> {
     sqlx::query("SAVEPOINT tidemark_direct").execute(&mut **tx).await?;
     let attempt = async {
-        let mut copy = tx.copy_in_raw(&batch.sql.copy_into_target()).await?;
+        let mut copy = tx.copy_in_raw(&batch.sql.copy_into_target(batch.format)).await?;
         copy.send(batch.data.as_ref()).await?;
         copy.finish().await
     }
@@ -398,6 +418,9 @@ async fn finish(
     letters: Vec<DeadLetter>,
 ) -> Result<Applied, WorkerError> {
     let manifest = batch.manifest;
+    if batch.format == CopyFormat::Binary {
+        crate::page_format::check_target(&mut *tx, batch.sql).await?;
+    }
     if !letters.is_empty() {
         dead_letters::insert(
             &mut tx,

@@ -20,6 +20,10 @@ pub enum WorkerError {
     Verify(String),
     #[error("invalid assignment: {0}")]
     Assignment(String),
+    /// A binary batch met column types other than the ones it was read in (a source or target
+    /// column's type changed): it is abandoned and read again as text.
+    #[error("binary batch no longer matches the column types: {0}")]
+    BinaryTypes(String),
 }
 
 impl From<tonic::Status> for WorkerError {

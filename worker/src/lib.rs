@@ -5,6 +5,7 @@ pub mod apply;
 pub mod client;
 pub mod error;
 pub mod metrics;
+pub mod page_format;
 pub mod pipeline;
 pub mod reconcile;
 pub mod resources;

@@ -10,7 +10,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tidemark_common::batch::{self, DATA_FORMAT_PG_COPY_TEXT, MANIFEST_FORMAT_VERSION, Manifest};
+use tidemark_common::batch::{self, MANIFEST_FORMAT_VERSION, Manifest};
+use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::crash;
 use tidemark_common::cursor::{Cursor, KeyValue, Position, ShardRange};
 use tidemark_common::pg::deletes::LogUpper;
@@ -84,6 +85,7 @@ pub(crate) struct PageToDeliver {
     pub lower: Cursor,
     pub upper: Cursor,
     pub data: Bytes,
+    pub format: CopyFormat,
     pub row_count: u64,
     /// A reconciliation's repair batch (`lower == upper`).
     pub repair: bool,
@@ -166,6 +168,8 @@ impl ShardRun {
             version_column: Some(task.version_column.clone()).filter(|c| !c.is_empty()),
             deletes: None,
             filter: Some(task.filter.clone()).filter(|f| !f.is_empty()),
+            // Chosen when the run starts (`page_format::choose`).
+            page_format: CopyFormat::Text,
         };
         let sql = TableSql {
             deletes: DeleteSql::from_spec(
@@ -215,6 +219,8 @@ impl ShardRun {
         pending: Option<pb::PendingBatch>,
         mut stop: watch::Receiver<bool>,
     ) -> Result<(), WorkerError> {
+        self.sql.page_format =
+            crate::page_format::choose(&self.sql, &self.write, &self.resources.source, &self.resources.target).await?;
         if let Some(pending) = pending {
             self.replay(client, &pending).await?;
         }
@@ -277,7 +283,14 @@ impl ShardRun {
         } else {
             overlap_region(&lower, &upper)
         };
-        let applied = apply_batch(&self.resources.target, &self.batch(&manifest, &data, overlap)).await?;
+        let applied = match apply_batch(&self.resources.target, &self.batch(&manifest, &data, overlap)?).await {
+            Err(WorkerError::BinaryTypes(reason)) => {
+                self.abandon(client, &pending.batch_id, reason.clone()).await?;
+                self.read_text(&reason);
+                return Ok(());
+            }
+            other => other?,
+        };
         self.count_dead_letters(&applied);
         tracing::info!(
             task = %self.task.name, shard = self.shard_id, batch_id = %manifest.batch_id,
@@ -319,6 +332,12 @@ impl ShardRun {
         }
         tracing::warn!(task = %self.task.name, shard = self.shard_id, batch_id = %pending.batch_id, %error,
             "pending batch unreadable in staging and never applied; abandoning it");
+        self.abandon(client, &pending.batch_id, error.to_string()).await
+    }
+
+    /// Gives up a registered batch that never reached the target: the checkpoint stays, its
+    /// version moves, and the next read names a new batch.
+    async fn abandon(&mut self, client: &CoordinatorClient, batch_id: &str, reason: String) -> Result<(), WorkerError> {
         self.version = client
             .abandon_batch(pb::AbandonBatchRequest {
                 worker_id: self.worker_id.clone(),
@@ -326,11 +345,19 @@ impl ShardRun {
                 epoch: self.epoch,
                 shard_id: self.shard_id,
                 fence_token: self.fence,
-                batch_id: pending.batch_id.clone(),
-                reason: error.to_string(),
+                batch_id: batch_id.to_string(),
+                reason,
             })
             .await?;
         Ok(())
+    }
+
+    /// A column type changed under a binary read or apply: read text from now on.
+    fn read_text(&mut self, reason: &str) {
+        tracing::warn!(task = %self.task.name, shard = self.shard_id, reason,
+            "binary pages no longer match the column types; reading COPY text");
+        self.sql.page_format = CopyFormat::Text;
+        self.prefetched = None;
     }
 
     /// Decides what the next page reads. `None`: nothing can be read yet.
@@ -448,14 +475,15 @@ impl ShardRun {
         manifest: &'a Manifest,
         data: &'a Bytes,
         overlap: Option<OverlapRegion>,
-    ) -> BatchToApply<'a> {
-        BatchToApply {
+    ) -> Result<BatchToApply<'a>, WorkerError> {
+        Ok(BatchToApply {
             sql: &self.sql,
             write: &self.write,
+            format: CopyFormat::from_data_format(&manifest.data_format).map_err(WorkerError::Data)?,
             manifest,
             data,
             overlap,
-        }
+        })
     }
 
     fn count_dead_letters(&self, applied: &crate::apply::Applied) {
@@ -511,7 +539,14 @@ impl Reader {
     async fn read_changes(&self, plan: &ReadPlan) -> Result<(Page, bool), WorkerError> {
         let source = &self.source;
         let page_size = self.page_size;
-        let rows = read_page(source, &self.sql, &plan.statement, plan.target_layout).await?;
+        let rows = read_page(
+            source,
+            &self.sql,
+            &plan.statement,
+            self.sql.page_format,
+            plan.target_layout,
+        )
+        .await?;
         let rows_full = rows.row_count == u64::from(page_size);
         let log = match self.sql.deletes.as_ref().map(|d| &d.source) {
             Some(DeleteSource::Log(log)) => log,
@@ -532,9 +567,9 @@ impl Reader {
             upper,
             page_size,
         );
-        let deletes = read_page(source, &self.sql, &statement, false).await?;
+        let deletes = read_page(source, &self.sql, &statement, self.sql.page_format, false).await?;
         if deletes.row_count < u64::from(page_size) {
-            return Ok((Page::concat(rows, deletes, true), rows_full));
+            return Ok((Page::concat(rows, deletes, true)?, rows_full));
         }
         let Some((log_key, Some(log_t))) = deletes.last.clone() else {
             return Err(WorkerError::Data("a full delete-log page without a position".into()));
@@ -547,8 +582,8 @@ impl Reader {
             Some((log_t, &log_key)),
             page_size,
         );
-        let rows = read_page(source, &self.sql, &statement, false).await?;
-        Ok((Page::concat(rows, deletes, false), true))
+        let rows = read_page(source, &self.sql, &statement, self.sql.page_format, false).await?;
+        Ok((Page::concat(rows, deletes, false)?, true))
     }
 }
 
@@ -574,7 +609,13 @@ impl ShardRun {
             upper = tracing::field::Empty,
             replay = false,
         );
-        self.step_in(client, plan, read).instrument(span).await
+        match self.step_in(client, plan, read).instrument(span).await {
+            Err(WorkerError::BinaryTypes(reason)) => {
+                self.read_text(&reason);
+                Ok(false)
+            }
+            other => other,
+        }
     }
 
     /// `read`: the page when it was read ahead, during the previous batch's apply.
@@ -606,6 +647,7 @@ impl ShardRun {
             lower,
             upper,
             data: page.data,
+            format: page.format,
             row_count: page.row_count,
             repair: false,
             target_layout: plan.target_layout,
@@ -637,6 +679,7 @@ impl ShardRun {
             lower,
             upper,
             data,
+            format,
             row_count,
             repair,
             target_layout,
@@ -673,7 +716,7 @@ impl ShardRun {
             schema_id: self.task.schema_id.clone(),
             fence_token: self.fence,
             data_path: String::new(),
-            data_format: DATA_FORMAT_PG_COPY_TEXT.to_string(),
+            data_format: format.data_format().to_string(),
             repair,
             target_layout,
         };
@@ -701,11 +744,19 @@ impl ShardRun {
         } else {
             overlap_region(&bounds.lower, &bounds.upper)
         };
-        let applied = metrics::step(
+        let applied = match metrics::step(
             "apply",
-            apply_batch(&self.resources.target, &self.batch(&manifest, &data, overlap)),
+            apply_batch(&self.resources.target, &self.batch(&manifest, &data, overlap)?),
         )
-        .await?;
+        .await
+        {
+            Err(WorkerError::BinaryTypes(reason)) => {
+                // Nothing of it reached the target: abandon it; the step reads it again as text.
+                self.abandon(client, &manifest.batch_id, reason.clone()).await?;
+                return Err(WorkerError::BinaryTypes(reason));
+            }
+            other => other?,
+        };
         self.count_dead_letters(&applied);
         let (outcome, late) = (applied.outcome, applied.late);
         if outcome == ApplyOutcome::Applied {

@@ -15,6 +15,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use sqlx::Row;
 use sqlx::postgres::PgPool;
+use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::copy_text;
 use tidemark_common::cursor::{KeyValue, ShardRange};
 use tidemark_common::pg::reconcile::{Scope, Side};
@@ -286,7 +287,14 @@ impl ShardRun {
         outcome: &mut Outcome,
     ) -> Result<(), WorkerError> {
         let keys: Vec<Vec<KeyValue>> = repairs.iter().map(|r| r.key.clone()).collect();
-        let page = read_page(&self.resources.source, &self.sql, &self.sql.rows_by_key(&keys), false).await?;
+        let page = read_page(
+            &self.resources.source,
+            &self.sql,
+            &self.sql.rows_by_key(&keys),
+            CopyFormat::Text,
+            false,
+        )
+        .await?;
         let expected: HashMap<Vec<String>, Option<i64>> = repairs
             .iter()
             .map(|r| (r.key.iter().map(|k| k.value.clone()).collect(), r.expected))
@@ -337,6 +345,7 @@ impl ShardRun {
             lower: cursor.clone(),
             upper: cursor,
             data: Bytes::from(data),
+            format: CopyFormat::Text,
             row_count,
             repair: true,
             target_layout: false,

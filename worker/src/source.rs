@@ -1,35 +1,41 @@
-//! Reading the source: one page per `COPY (SELECT … ORDER BY … LIMIT n) TO STDOUT`, streamed
-//! into memory as the staged bytes, plus the position of the page's last row.
+//! Reading the source: one page per `COPY (SELECT … ORDER BY … LIMIT n) TO STDOUT` (text or
+//! binary), streamed into memory as the staged bytes, plus the position of the page's last row.
 
 use bytes::{Bytes, BytesMut};
 use futures::TryStreamExt;
 use sqlx::postgres::PgPool;
-use tidemark_common::copy_text;
+use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::KeyValue;
 use tidemark_common::pg::{self, TableSql};
 
 use crate::error::WorkerError;
 
-/// One page as read: the COPY text bytes and where the last row sits.
+/// One page as read: the COPY bytes and where the last row sits.
 pub struct Page {
     pub data: Bytes,
+    pub format: CopyFormat,
     pub row_count: u64,
     /// Key and cursor time (microseconds; absent without a cursor column) of the last row.
     pub last: Option<(Vec<KeyValue>, Option<i64>)>,
 }
 
 impl Page {
-    /// Two pages in the same staged layout as one; `first_is_last`: the position is the first
-    /// page's last row, else the second's.
-    pub fn concat(first: Page, second: Page, first_is_last: bool) -> Page {
-        let mut data = BytesMut::with_capacity(first.data.len() + second.data.len());
-        data.extend_from_slice(&first.data);
-        data.extend_from_slice(&second.data);
-        Page {
-            data: data.freeze(),
+    /// Two pages in the same staged layout and format as one; `first_is_last`: the position
+    /// is the first page's last row, else the second's.
+    pub fn concat(first: Page, second: Page, first_is_last: bool) -> Result<Page, WorkerError> {
+        if first.format != second.format {
+            return Err(WorkerError::Data("two pages of different COPY formats".into()));
+        }
+        let data = first
+            .format
+            .concat(&first.data, &second.data)
+            .map_err(WorkerError::Data)?;
+        Ok(Page {
+            data: Bytes::from(data),
+            format: first.format,
             row_count: first.row_count + second.row_count,
             last: if first_is_last { first.last } else { second.last },
-        }
+        })
     }
 }
 
@@ -38,6 +44,7 @@ pub async fn read_page(
     source: &PgPool,
     sql: &TableSql,
     statement: &str,
+    format: CopyFormat,
     target_layout: bool,
 ) -> Result<Page, WorkerError> {
     let mut conn = source.acquire().await?;
@@ -47,53 +54,51 @@ pub async fn read_page(
         buffer.extend_from_slice(&chunk);
     }
     drop(stream);
-    let data = buffer.freeze();
-    let mut row_count = 0u64;
-    let mut last_row: Option<&[u8]> = None;
-    for row in copy_text::rows(&data) {
-        row_count += 1;
-        last_row = Some(row);
+    if format == CopyFormat::Binary {
+        crate::page_format::check_source(&mut *conn, sql).await?;
     }
-    let last = match last_row {
+    let data = buffer.freeze();
+    let rows = format.rows(&data).map_err(WorkerError::Data)?;
+    let last = match rows.last() {
         None => None,
-        Some(row) => Some(decode_position(sql, row, target_layout)?),
+        Some(row) => Some(decode_position(sql, format, row, target_layout)?),
     };
-    Ok(Page { data, row_count, last })
+    Ok(Page {
+        row_count: rows.len() as u64,
+        data,
+        format,
+        last,
+    })
 }
 
 /// The key values and the version (cursor time) of a staged row.
 fn decode_position(
     sql: &TableSql,
+    format: CopyFormat,
     row: &[u8],
     target_layout: bool,
 ) -> Result<(Vec<KeyValue>, Option<i64>), WorkerError> {
-    let field = |index: usize| -> Result<String, WorkerError> {
-        let raw = copy_text::raw_field(row, index)
-            .ok_or_else(|| WorkerError::Data(format!("staged row has no field {index}")))?;
-        copy_text::decode_field(raw)
-            .map_err(WorkerError::Data)?
-            .ok_or_else(|| WorkerError::Data(format!("field {index} of a staged row is NULL")))
-    };
+    let null = |index: usize| WorkerError::Data(format!("field {index} of a staged row is NULL"));
     let keys = sql
         .key_positions()
         .into_iter()
         .zip(sql.key_types())
         .map(|(index, sql_type)| {
-            Ok(KeyValue {
-                sql_type,
-                value: field(index)?,
-            })
+            let value = format
+                .field_text(row, index, &sql_type)
+                .map_err(WorkerError::Data)?
+                .ok_or_else(|| null(index))?;
+            Ok(KeyValue { sql_type, value })
         })
         .collect::<Result<Vec<_>, WorkerError>>()?;
     let cursor_micros = match sql.cursor_micros_position().filter(|_| !target_layout) {
         None => None,
-        Some(index) => {
-            let text = field(index)?;
-            Some(
-                text.parse::<i64>()
-                    .map_err(|_| WorkerError::Data(format!("cursor time {text:?} is not an integer")))?,
-            )
-        }
+        Some(index) => Some(
+            format
+                .field_i64(row, index)
+                .map_err(WorkerError::Data)?
+                .ok_or_else(|| null(index))?,
+        ),
     };
     Ok((keys, cursor_micros))
 }

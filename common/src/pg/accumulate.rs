@@ -190,6 +190,7 @@ mod tests {
             version_column: Some("id".into()),
             deletes: None,
             filter: None,
+            page_format: crate::copy_format::CopyFormat::Text,
         };
         let spec = AccumulateSpec {
             explode: Some(Explode {

@@ -207,21 +207,23 @@ impl TableSql {
             .iter()
             .map(|c| {
                 if self.key_columns.contains(&c.name) {
-                    quote_ident(&c.name)
+                    // Typed as the source's key, which a binary page needs.
+                    format!("{}::{}", quote_ident(&c.name), c.sql_type)
                 } else {
                     "NULL".to_string()
                 }
             })
             .collect();
-        list.push(quote_ident("version"));
+        list.push(format!("{}::bigint", quote_ident("version")));
         list.push(format!("(extract(epoch from {deleted_at}) * 1000000)::bigint"));
         list.push("true".to_string());
         format!(
-            "COPY (SELECT {} FROM {} WHERE {} ORDER BY {deleted_at}, {} LIMIT {limit}) TO STDOUT",
+            "COPY (SELECT {} FROM {} WHERE {} ORDER BY {deleted_at}, {} LIMIT {limit}) TO STDOUT{}",
             list.join(", "),
             log.quoted(),
             conditions.join(" AND "),
-            self.key_order()
+            self.key_order(),
+            self.page_format.copy_option()
         )
     }
 }

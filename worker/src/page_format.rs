@@ -1,0 +1,86 @@
+//! Which COPY format a shard reads its pages in, and the checks that keep a binary batch's
+//! bytes in the types they were read as.
+//!
+//! Binary skips rendering and parsing every number, time and uuid as text on both databases,
+//! but its bytes only mean something in the exact type that wrote them. So a shard reads binary
+//! only when the source's live column types, the task's frozen ones and the target's are the
+//! same built-in types; and every binary page and apply checks again, after the fact, so that a
+//! column type changed meanwhile is caught (`WorkerError::BinaryTypes`: the batch is abandoned
+//! and read again as text).
+
+use sqlx::postgres::{PgExecutor, PgPool};
+use tidemark_common::copy_binary;
+use tidemark_common::copy_format::CopyFormat;
+use tidemark_common::pg::{self, TableName, TableSql};
+
+use crate::apply::TaskWrite;
+use crate::error::WorkerError;
+
+/// `TIDEMARK_COPY_FORMAT=text` makes every shard read text (to compare, or to rule binary
+/// out); unset or `auto`, the shard chooses.
+const FORMAT_ENV: &str = "TIDEMARK_COPY_FORMAT";
+
+type ColumnTypes = Vec<(String, String, bool)>;
+
+async fn column_types(conn: impl PgExecutor<'_>, table: &TableName) -> Result<ColumnTypes, sqlx::Error> {
+    sqlx::query_as(pg::COLUMN_TYPES)
+        .bind(table.quoted())
+        .fetch_all(conn)
+        .await
+}
+
+/// The format this shard's pages are read in.
+pub async fn choose(
+    sql: &TableSql,
+    write: &TaskWrite,
+    source: &PgPool,
+    target: &PgPool,
+) -> Result<CopyFormat, WorkerError> {
+    let text = |reason: &str| {
+        tracing::info!(table = %sql.source, reason, "reading pages as COPY text");
+        Ok(CopyFormat::Text)
+    };
+    match std::env::var(FORMAT_ENV).as_deref() {
+        Ok("text") => return text("TIDEMARK_COPY_FORMAT=text"),
+        Ok("auto") | Err(_) => {}
+        Ok(other) => tracing::warn!(value = other, "TIDEMARK_COPY_FORMAT is `text` or `auto`; choosing"),
+    }
+    if !matches!(write, TaskWrite::Upsert) {
+        return text("an accumulate task's transform reads text");
+    }
+    if !sql.key_types().iter().all(|t| copy_binary::decodable(t)) {
+        return text("a key column's type has no binary decoder here");
+    }
+    if !sql.binary_types_match(&column_types(source, &sql.source).await?, false) {
+        return text("a source column's type differs from the task's, or is not built in");
+    }
+    if !sql.binary_types_match(&column_types(target, &sql.target).await?, true) {
+        return text("a target column's type differs from the source's");
+    }
+    tracing::debug!(table = %sql.source, "reading pages as COPY binary");
+    Ok(CopyFormat::Binary)
+}
+
+/// After a binary page was read: the source's columns still have the types it was read as.
+/// (Checked after the read, a change can only make it fail, never pass a page of other types.)
+pub async fn check_source(conn: impl PgExecutor<'_>, sql: &TableSql) -> Result<(), WorkerError> {
+    if sql.binary_types_match(&column_types(conn, &sql.source).await?, false) {
+        return Ok(());
+    }
+    Err(WorkerError::BinaryTypes(format!(
+        "a column of {} changed its type",
+        sql.source
+    )))
+}
+
+/// Inside a binary batch's transaction, after its rows were written (so that no type change
+/// can come between this check and the writes): the target's columns have the batch's types.
+pub async fn check_target(conn: impl PgExecutor<'_>, sql: &TableSql) -> Result<(), WorkerError> {
+    if sql.binary_types_match(&column_types(conn, &sql.target).await?, true) {
+        return Ok(());
+    }
+    Err(WorkerError::BinaryTypes(format!(
+        "a column of {} differs from the source's type",
+        sql.target
+    )))
+}
