@@ -29,6 +29,13 @@ struct Args {
     shards: u32,
     #[arg(long, default_value_t = 10_000)]
     page_size: u32,
+    /// The task's `target_fillfactor` (default: the task default).
+    #[arg(long)]
+    fillfactor: Option<u32>,
+    /// `text` makes the workers read and apply COPY text (`TIDEMARK_COPY_FORMAT`); `auto`
+    /// lets them choose binary where the column types allow.
+    #[arg(long, default_value = "auto")]
+    copy_format: String,
     /// Print the results as one JSON object as well.
     #[arg(long)]
     json: bool,
@@ -158,6 +165,10 @@ async fn main() -> anyhow::Result<()> {
         poll_interval: "500ms",
         lease_ttl: "10s",
         overlap: "2s",
+        extra: args
+            .fillfactor
+            .map(|f| format!("target_fillfactor = {f}"))
+            .unwrap_or_default(),
         ..TaskSettings::default()
     };
     cluster.start(&settings).await;
@@ -169,7 +180,10 @@ async fn main() -> anyhow::Result<()> {
         cluster.spawn_worker(
             &format!("bench-w{i}"),
             args.shards.div_ceil(args.workers.max(1) as u32),
-            &[("TIDEMARK_METRICS_LISTEN", &listen)],
+            &[
+                ("TIDEMARK_METRICS_LISTEN", &listen),
+                ("TIDEMARK_COPY_FORMAT", &args.copy_format),
+            ],
         );
         metrics.push(listen);
     }
@@ -188,6 +202,9 @@ async fn main() -> anyhow::Result<()> {
     );
     assert_eq!(source_sum, target_sum, "target equals source after the snapshot");
     eprintln!("tidemark snapshot: {snapshot_secs:.1}s");
+
+    let steps = step_seconds(&metrics).await;
+    let formats = cluster.staged_formats();
 
     // Updates: one statement, cursor = commit-time clock; latency until the target has them.
     let every = (rows / args.updates.max(1)).max(1);
@@ -216,20 +233,16 @@ async fn main() -> anyhow::Result<()> {
         "the target has every update once the watermark passed their commit"
     );
 
-    let mut steps: Vec<(&str, f64)> = Vec::new();
-    for step in ["read", "stage", "register", "apply", "verify", "commit"] {
-        let mut total = 0.0;
-        for listen in &metrics {
-            let text = scrape(listen).await;
-            total += sample(&text, "tidemark_batch_step_seconds_sum", &format!("step=\"{step}\"")).unwrap_or(0.0);
-        }
-        steps.push((step, total));
-    }
+    let after_updates = step_seconds(&metrics).await;
+    let update_steps: Vec<(&str, f64)> = after_updates
+        .iter()
+        .zip(&steps)
+        .map(|((step, total), (_, before))| (*step, total - before))
+        .collect();
     let rss: Vec<f64> = cluster.workers.iter().map(|w| peak_rss_mib(w.child.id())).collect();
 
     let base_rate = rows as f64 / base_secs;
     let rate = rows as f64 / snapshot_secs;
-    let step_total: f64 = steps.iter().map(|(_, s)| s).sum();
     println!(
         "tidemark benchmark: {rows} rows, {} workers, {} shards, page {}",
         args.workers, args.shards, args.page_size
@@ -256,23 +269,49 @@ async fn main() -> anyhow::Result<()> {
         "  worker peak RSS         {}",
         rss.iter().map(|r| format!("{r:.0} MiB")).collect::<Vec<_>>().join(", ")
     );
-    println!("  staging bytes           {:>10.0} MB", staging_bytes as f64 / 1e6);
-    println!("  time per step (sum over workers and shards, share of all steps):");
-    for (step, secs) in &steps {
-        println!(
-            "    {step:<10} {secs:>8.1} s  {:>5.1} %",
-            secs / step_total.max(1e-9) * 100.0
-        );
+    println!(
+        "  staging bytes           {:>10.0} MB ({})",
+        staging_bytes as f64 / 1e6,
+        formats
+            .iter()
+            .map(|(format, n)| format!("{n} batches {format}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    for (phase, steps) in [("snapshot", &steps), ("updates", &update_steps)] {
+        let total: f64 = steps.iter().map(|(_, s)| s).sum();
+        println!("  time per step in the {phase} (sum over workers and shards, share of all steps):");
+        for (step, secs) in steps {
+            println!(
+                "    {step:<10} {secs:>8.1} s  {:>5.1} %",
+                secs / total.max(1e-9) * 100.0
+            );
+        }
     }
     if args.json {
         let value = serde_json::json!({
             "rows": rows, "baseline_seconds": base_secs, "baseline_rows_per_second": base_rate,
             "snapshot_seconds": snapshot_secs, "snapshot_rows_per_second": rate, "ratio": rate / base_rate,
             "updates": updated, "update_latency_seconds": update_secs, "update_statement_seconds": statement_secs, "worker_peak_rss_mib": rss,
-            "staging_bytes": staging_bytes,
+            "staging_bytes": staging_bytes, "staged_formats": formats,
             "steps": steps.iter().map(|(s, t)| serde_json::json!({"step": s, "seconds": t})).collect::<Vec<_>>(),
+            "update_steps": update_steps.iter().map(|(s, t)| serde_json::json!({"step": s, "seconds": t})).collect::<Vec<_>>(),
         });
         println!("{value}");
     }
     Ok(())
+}
+
+/// Seconds per protocol step, summed over the workers' `tidemark_batch_step_seconds`.
+async fn step_seconds(metrics: &[String]) -> Vec<(&'static str, f64)> {
+    let mut steps = Vec::new();
+    for step in ["read", "stage", "register", "apply", "verify", "commit"] {
+        let mut total = 0.0;
+        for listen in metrics {
+            let text = scrape(listen).await;
+            total += sample(&text, "tidemark_batch_step_seconds_sum", &format!("step=\"{step}\"")).unwrap_or(0.0);
+        }
+        steps.push((step, total));
+    }
+    steps
 }

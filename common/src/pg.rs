@@ -386,7 +386,7 @@ impl TableSql {
 
     /// The target table, created from the source's columns: the key as primary key and the
     /// source version column that guards against old values overwriting new ones.
-    pub fn create_target_table(&self, not_null: &[bool]) -> String {
+    pub fn create_target_table(&self, not_null: &[bool], fillfactor: u32) -> String {
         let mut definitions: Vec<String> = self
             .columns
             .iter()
@@ -402,8 +402,13 @@ impl TableSql {
             .collect();
         definitions.push(format!("{} bigint NOT NULL", quote_ident(VERSION_COLUMN)));
         definitions.push(format!("PRIMARY KEY ({})", self.key_order()));
+        let storage = if fillfactor < 100 {
+            format!(" WITH (fillfactor = {fillfactor})")
+        } else {
+            String::new()
+        };
         format!(
-            "CREATE TABLE IF NOT EXISTS {} ({})",
+            "CREATE TABLE IF NOT EXISTS {} ({}){storage}",
             self.target.quoted(),
             definitions.join(", ")
         )
