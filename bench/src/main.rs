@@ -29,9 +29,6 @@ struct Args {
     shards: u32,
     #[arg(long, default_value_t = 10_000)]
     page_size: u32,
-    /// The task's `target_fillfactor` (default: the task default).
-    #[arg(long)]
-    fillfactor: Option<u32>,
     /// `text` makes the workers read and apply COPY text (`TIDEMARK_COPY_FORMAT`); `auto`
     /// lets them choose binary where the column types allow.
     #[arg(long, default_value = "auto")]
@@ -165,10 +162,6 @@ async fn main() -> anyhow::Result<()> {
         poll_interval: "500ms",
         lease_ttl: "10s",
         overlap: "2s",
-        extra: args
-            .fillfactor
-            .map(|f| format!("target_fillfactor = {f}"))
-            .unwrap_or_default(),
         ..TaskSettings::default()
     };
     cluster.start(&settings).await;

@@ -142,11 +142,6 @@ pub struct TaskConfig {
     /// A dead letter whose retries failed this many times becomes FAILED.
     #[serde(default = "default_max_retries")]
     pub max_retries: u32,
-    /// The fill factor (10–100 %) of a target table Tidemark creates (an existing table keeps
-    /// its own). Room left on each page lets an update keep the row's new version on its page
-    /// (a HOT update: no index entry, and one page in the WAL instead of three).
-    #[serde(default = "default_target_fillfactor")]
-    pub target_fillfactor: u32,
 }
 
 /// `delete_policy = { kind = "soft", column = "deleted_at" }`: the source marks deleted rows
@@ -313,9 +308,6 @@ fn default_tombstone_retention() -> Duration {
 fn default_max_retries() -> u32 {
     3
 }
-fn default_target_fillfactor() -> u32 {
-    100
-}
 
 fn default_true() -> bool {
     true
@@ -393,12 +385,6 @@ impl Config {
             }
             if task.shards == 0 || task.shards > 4096 {
                 return Err(invalid(format!("task {name}: shards must be between 1 and 4096")));
-            }
-            if !(10..=100).contains(&task.target_fillfactor) {
-                return Err(invalid(format!(
-                    "task {name}: target_fillfactor must be 10 to 100 (percent), not {}",
-                    task.target_fillfactor
-                )));
             }
             if task.page_size == 0 {
                 return Err(invalid(format!("task {name}: page_size must be at least 1")));

@@ -386,7 +386,7 @@ impl TableSql {
 
     /// The target table, created from the source's columns: the key as primary key and the
     /// source version column that guards against old values overwriting new ones.
-    pub fn create_target_table(&self, not_null: &[bool], fillfactor: u32) -> String {
+    pub fn create_target_table(&self, not_null: &[bool]) -> String {
         let mut definitions: Vec<String> = self
             .columns
             .iter()
@@ -402,13 +402,8 @@ impl TableSql {
             .collect();
         definitions.push(format!("{} bigint NOT NULL", quote_ident(VERSION_COLUMN)));
         definitions.push(format!("PRIMARY KEY ({})", self.key_order()));
-        let storage = if fillfactor < 100 {
-            format!(" WITH (fillfactor = {fillfactor})")
-        } else {
-            String::new()
-        };
         format!(
-            "CREATE TABLE IF NOT EXISTS {} ({}){storage}",
+            "CREATE TABLE IF NOT EXISTS {} ({})",
             self.target.quoted(),
             definitions.join(", ")
         )
@@ -513,6 +508,11 @@ impl TableSql {
     /// kept tombstone blocks every version up to its own. Rows go in key order: an incremental
     /// page comes in cursor order, and key order turns its random index and heap visits into
     /// a forward walk.
+    ///
+    /// A row equal to the target's in every column and version (the overlap re-reads each
+    /// cycle's last `overlap` of changes; a replay repeats a batch) is left alone instead of
+    /// rewritten: no new row version, no WAL. Only when every column's type has an equality
+    /// operator (see [`has_equality`]); otherwise such rows are rewritten, which is harmless.
     pub fn upsert_from_stage(&self) -> String {
         let mut columns = self.target_columns();
         let mut values: Vec<String> = columns.iter().map(|c| format!("s.{c}")).collect();
@@ -527,12 +527,29 @@ impl TableSql {
             }
             conditions.push(deletes.not_blocked_by_tombstone(self, "s"));
         }
-        let updates: Vec<String> = columns
+        let version = quote_ident(VERSION_COLUMN);
+        // The version first: a changed row differs there, and the comparison stops.
+        let mut updated: Vec<&String> = columns
             .iter()
             .filter(|c| !self.key_columns.iter().any(|k| quote_ident(k) == **c))
-            .map(|c| format!("{c} = EXCLUDED.{c}"))
             .collect();
-        let version = quote_ident(VERSION_COLUMN);
+        updated.sort_by_key(|c| **c != version);
+        let updates: Vec<String> = updated.iter().map(|c| format!("{c} = EXCLUDED.{c}")).collect();
+        let mut guard = format!("t.{version} <= EXCLUDED.{version}");
+        if self.columns.iter().all(|c| has_equality(&c.sql_type)) {
+            let side = |alias: &str| {
+                updated
+                    .iter()
+                    .map(|c| format!("{alias}.{c}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            guard = format!(
+                "{guard} AND ROW({}) IS DISTINCT FROM ROW({})",
+                side("t"),
+                side("EXCLUDED")
+            );
+        }
         let where_clause = if conditions.is_empty() {
             String::new()
         } else {
@@ -540,7 +557,7 @@ impl TableSql {
         };
         format!(
             "INSERT INTO {target} AS t ({cols}) SELECT {values} FROM {stage} s{where_clause} ORDER BY {s_keys} \
-             ON CONFLICT ({keys}) DO UPDATE SET {updates} WHERE t.{version} <= EXCLUDED.{version}",
+             ON CONFLICT ({keys}) DO UPDATE SET {updates} WHERE {guard}",
             s_keys = self
                 .key_columns
                 .iter()
@@ -575,6 +592,42 @@ impl TableSql {
             .all(|c| find(&c.name).is_some_and(|(_, t, builtin)| *builtin && *t == c.sql_type));
         columns_match && (!target || find(VERSION_COLUMN).is_some_and(|(_, t, _)| t == "bigint"))
     }
+}
+
+/// Whether values of a type compare with `IS DISTINCT FROM`: built-in types with an equality
+/// operator, and arrays of them. (`json`, `xml`, geometric types and unknown types are
+/// left out.)
+pub fn has_equality(sql_type: &str) -> bool {
+    let base = sql_type.trim_end_matches("[]");
+    let name = base.split_once('(').map_or(base, |(name, _)| name).trim();
+    matches!(
+        name,
+        "smallint"
+            | "integer"
+            | "bigint"
+            | "numeric"
+            | "real"
+            | "double precision"
+            | "money"
+            | "text"
+            | "character varying"
+            | "character"
+            | "name"
+            | "boolean"
+            | "uuid"
+            | "jsonb"
+            | "bytea"
+            | "date"
+            | "interval"
+            | "inet"
+            | "cidr"
+            | "macaddr"
+            | "bit"
+            | "bit varying"
+            | "oid"
+    ) || name == "time"
+        || name.starts_with("timestamp")
+        || name.starts_with("time ")
 }
 
 /// Connection options for every Tidemark session: UTC, standard-conforming strings (which
@@ -716,5 +769,35 @@ mod tests {
         );
         assert!(sql.contains("\"na\"\"me\" = EXCLUDED.\"na\"\"me\""), "{sql}");
         assert!(!sql.contains("\"id\" = EXCLUDED"), "{sql}");
+        // Unchanged rows are not rewritten; the version is compared first.
+        assert!(
+            sql.contains(
+                "ROW(t.\"_tidemark_version\", t.\"updated_at\", t.\"na\"\"me\") IS DISTINCT FROM \
+                 ROW(EXCLUDED.\"_tidemark_version\", EXCLUDED.\"updated_at\", EXCLUDED.\"na\"\"me\")"
+            ),
+            "{sql}"
+        );
+        let mut with_json = items();
+        with_json.columns[2].sql_type = "json".into();
+        assert!(!with_json.upsert_from_stage().contains("IS DISTINCT FROM"));
+    }
+
+    #[test]
+    fn equality_is_known_for_built_in_types_only() {
+        for t in [
+            "bigint",
+            "numeric(12,2)",
+            "character varying(16)",
+            "timestamp(3) with time zone",
+            "time without time zone",
+            "jsonb",
+            "text[]",
+            "interval",
+        ] {
+            assert!(has_equality(t), "{t}");
+        }
+        for t in ["json", "xml", "point", "json[]", "my_enum", "tsvector"] {
+            assert!(!has_equality(t), "{t}");
+        }
     }
 }

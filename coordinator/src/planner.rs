@@ -659,7 +659,7 @@ async fn ensure_target(
     }
     match introspect(target, task, "target", &sql.target).await? {
         None => {
-            let ddl = sql.create_target_table(not_null, config.target_fillfactor);
+            let ddl = sql.create_target_table(not_null);
             sqlx::query(sqlx::AssertSqlSafe(ddl))
                 .execute(target)
                 .await

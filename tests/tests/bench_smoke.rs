@@ -27,4 +27,13 @@ fn benchmark_runs_and_computes_its_ratio() {
     assert!(ratio.is_finite() && ratio > 0.0, "{result}");
     assert_eq!(result["updates"], 20_000);
     assert_eq!(result["steps"].as_array().unwrap().len(), 6);
+    assert_eq!(result["update_steps"].as_array().unwrap().len(), 6);
+    // The benchmark's target is created from the source's columns: the same types, so every
+    // batch goes as binary COPY.
+    let formats = result["staged_formats"].as_object().unwrap();
+    assert_eq!(
+        formats.keys().collect::<Vec<_>>(),
+        vec!["pg_copy_binary+lz4"],
+        "{result}"
+    );
 }

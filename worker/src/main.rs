@@ -41,11 +41,12 @@ struct Cli {
     otlp_endpoint: Option<String>,
 }
 
-/// glibc gives threads that allocate their own malloc arena, up to 8 per core, and the
-/// staging store's blocking I/O threads come and go all run long. Freed page buffers then sit
-/// fragmented in many arenas, and the peak RSS grows with the length of the run. Two arenas
-/// keep it flat; `MALLOC_ARENA_MAX` in the environment still overrides this.
-fn limit_malloc_arenas() {
+/// Keeps the peak RSS independent of the run's length. glibc gives threads that allocate
+/// their own malloc arena, up to 8 per core, and the staging store's blocking I/O threads
+/// come and go all run long. Freed page buffers then sit fragmented in many arenas. Two arenas
+/// and a fixed mmap threshold (below) keep it flat; `MALLOC_ARENA_MAX` and
+/// `MALLOC_MMAP_THRESHOLD_` in the environment still override them.
+fn tune_malloc() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
         // SAFETY: mallopt only sets an allocator parameter; it runs before any other thread
@@ -54,10 +55,20 @@ fn limit_malloc_arenas() {
             libc::mallopt(libc::M_ARENA_MAX, 2);
         }
     }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+        // A page's buffers (a few MiB each) are mapped and unmapped whole. glibc would raise
+        // its threshold after the first free and then carve them from the heap, where freed
+        // pages fragment and stay resident: peak RSS would grow with the run's length.
+        // SAFETY: as above.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        }
+    }
 }
 
 fn main() -> ExitCode {
-    limit_malloc_arenas();
+    tune_malloc();
     let cli = Cli::parse();
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let telemetry = {

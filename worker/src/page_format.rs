@@ -29,8 +29,19 @@ async fn column_types(conn: impl PgExecutor<'_>, table: &TableName) -> Result<Co
         .await
 }
 
-/// The format this shard's pages are read in.
-pub async fn choose(
+/// The format this shard's pages are read in. Text when the column types cannot be read
+/// (a database is unreachable): always correct, and the next run chooses again.
+pub async fn choose(sql: &TableSql, write: &TaskWrite, source: &PgPool, target: &PgPool) -> CopyFormat {
+    match choose_checked(sql, write, source, target).await {
+        Ok(format) => format,
+        Err(error) => {
+            tracing::warn!(table = %sql.source, %error, "could not compare column types; reading pages as COPY text");
+            CopyFormat::Text
+        }
+    }
+}
+
+async fn choose_checked(
     sql: &TableSql,
     write: &TaskWrite,
     source: &PgPool,

@@ -220,7 +220,7 @@ impl ShardRun {
         mut stop: watch::Receiver<bool>,
     ) -> Result<(), WorkerError> {
         self.sql.page_format =
-            crate::page_format::choose(&self.sql, &self.write, &self.resources.source, &self.resources.target).await?;
+            crate::page_format::choose(&self.sql, &self.write, &self.resources.source, &self.resources.target).await;
         if let Some(pending) = pending {
             self.replay(client, &pending).await?;
         }
