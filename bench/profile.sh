@@ -26,11 +26,11 @@ cat "$out/bench.out"
 # Tokio threads are named tokio-runtime-w in every Rust process: the binary (dso) tells them apart.
 echo "== CPU samples by thread name and binary during the snapshot ($seconds s) =="
 perf report -i "$out/perf.data" --no-children --sort comm,dso --stdio -g none 2>/dev/null \
-    | grep -v '^#' | grep -v '^$' | head -15
+    | grep -v '^#' | grep -v '^$' | head -15 || true
 echo "== hottest functions in Tidemark's own code (self time, share of all samples) =="
 perf report -i "$out/perf.data" --no-children --dsos tidemark-worker,tidemark-coordinator --sort dso,sym \
-    --stdio -g none 2>/dev/null | grep -v '^#' | grep -v '^$' | head -25
+    --stdio -g none 2>/dev/null | grep -v '^#' | grep -v '^$' | head -25 || true
 echo "== hottest functions in PostgreSQL =="
 perf report -i "$out/perf.data" --no-children --comm postgres --sort sym --stdio -g none 2>/dev/null \
-    | grep -v '^#' | grep -v '^$' | head -15
+    | grep -v '^#' | grep -v '^$' | head -15 || true
 echo "(perf data in $out)"
