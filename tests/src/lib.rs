@@ -463,6 +463,16 @@ open_transaction_bound = {bound}
         )
     }
 
+    /// A CLI command against this cluster's coordinator with `--json`: its parsed output
+    /// (the command must succeed).
+    pub fn cli_json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.extend(["--json", "--coordinator", self.address.as_str()]);
+        let (ok, stdout, stderr) = self.cli(&all);
+        assert!(ok, "{args:?}: {stderr}");
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{args:?}: {e}: {stdout}"))
+    }
+
     /// `source install` for the task in the written config.
     pub fn source_install(&self) -> String {
         let (ok, stdout, stderr) = self.cli(&[

@@ -67,6 +67,19 @@ async fn assert_equal_except(cluster: &Cluster, queries: (&str, &str), poison: &
     assert!(source.len() > 20_000, "{context}: {} rows compared", source.len());
 }
 
+/// The task (4 shards, pages of 1,000 rows) with two workers; returns the shard count.
+async fn start_two_workers(cluster: &mut Cluster) -> u32 {
+    let settings = TaskSettings {
+        shards: 4,
+        page_size: 1000,
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    cluster.spawn_worker("a", 4, &[]);
+    cluster.spawn_worker("b", 4, &[]);
+    settings.shards
+}
+
 async fn letters(db: &TestDb) -> BTreeMap<String, (String, String)> {
     sqlx::query("SELECT key, error_class, status FROM tidemark_dead_letters WHERE task = 'items'")
         .fetch_all(&db.pool)
@@ -103,14 +116,7 @@ async fn poison_rows_go_to_dead_letters_and_the_rest_converges() {
                 _tidemark_version bigint NOT NULL)",
         )
         .await;
-    let settings = TaskSettings {
-        shards: 4,
-        page_size: 1000,
-        ..TaskSettings::default()
-    };
-    cluster.start(&settings).await;
-    cluster.spawn_worker("a", 4, &[]);
-    cluster.spawn_worker("b", 4, &[]);
+    start_two_workers(&mut cluster).await;
     let snapshot_poison: Vec<String> = poison()
         .into_keys()
         .filter(|k| k.parse::<i64>().unwrap() < 30_000)
@@ -231,14 +237,7 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
                 tag uuid NOT NULL, doc jsonb NOT NULL, _tidemark_version bigint NOT NULL)",
         )
         .await;
-    let settings = TaskSettings {
-        shards: 4,
-        page_size: 1000,
-        ..TaskSettings::default()
-    };
-    cluster.start(&settings).await;
-    cluster.spawn_worker("a", 4, &[]);
-    cluster.spawn_worker("b", 4, &[]);
+    let shards = start_two_workers(&mut cluster).await;
     cluster
         .wait_for("the snapshot", Duration::from_secs(180), |t| t.snapshot_complete)
         .await;
@@ -284,17 +283,7 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
         vec!["pg_copy_binary+lz4"],
         "every batch was staged binary: {formats:?}"
     );
-    let (ok, stdout, stderr) = cluster.cli(&[
-        "dead-letters",
-        "list",
-        "--task",
-        "items",
-        "--json",
-        "--coordinator",
-        &cluster.address,
-    ]);
-    assert!(ok, "{stderr}");
-    let listed: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let listed = cluster.cli_json(&["dead-letters", "list", "--task", "items"]);
     let first = &listed["dead_letters"][0];
     // A binary tuple in hex: 8 fields (6 columns, the version, the cursor time).
     assert!(first["payload"].as_str().unwrap().starts_with("\\x0008"), "{first}");
@@ -305,17 +294,7 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
         .target
         .exec("ALTER TABLE items DROP CONSTRAINT amount_below_900")
         .await;
-    let (ok, stdout, stderr) = cluster.cli(&[
-        "dead-letters",
-        "retry",
-        "--task",
-        "items",
-        "--json",
-        "--coordinator",
-        &cluster.address,
-    ]);
-    assert!(ok, "{stderr}");
-    let result: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let result = cluster.cli_json(&["dead-letters", "retry", "--task", "items"]);
     assert_eq!(result["resolved"].as_u64(), Some(13), "{result}");
     let null_names: Vec<String> = poison
         .iter()
@@ -345,7 +324,7 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
         "batches after the type change are text: {after:?}"
     );
     assert!(
-        after["pg_copy_binary+lz4"] <= formats["pg_copy_binary+lz4"] + settings.shards as usize,
+        after["pg_copy_binary+lz4"] <= formats["pg_copy_binary+lz4"] + shards as usize,
         "at most one binary batch per shard after the type change: {formats:?} → {after:?}"
     );
     let abandoned: i64 = sqlx::query_scalar("SELECT count(*) FROM batches WHERE state = 'ABANDONED'")

@@ -75,23 +75,23 @@ async fn choose_checked(
 /// After a binary page was read: the source's columns still have the types it was read as.
 /// (Checked after the read, a change can only make it fail, never pass a page of other types.)
 pub async fn check_source(conn: impl PgExecutor<'_>, sql: &TableSql) -> Result<(), WorkerError> {
-    if sql.binary_types_match(&column_types(conn, &sql.source).await?, false) {
-        return Ok(());
-    }
-    Err(WorkerError::BinaryTypes(format!(
-        "a column of {} changed its type",
-        sql.source
-    )))
+    check(conn, sql, false).await
 }
 
 /// Inside a binary batch's transaction, after its rows were written (so that no type change
 /// can come between this check and the writes): the target's columns have the batch's types.
+/// Also before a binary batch's rows are isolated: a target column whose type changed rejects
+/// every row, which is no row's fault.
 pub async fn check_target(conn: impl PgExecutor<'_>, sql: &TableSql) -> Result<(), WorkerError> {
-    if sql.binary_types_match(&column_types(conn, &sql.target).await?, true) {
+    check(conn, sql, true).await
+}
+
+async fn check(conn: impl PgExecutor<'_>, sql: &TableSql, target: bool) -> Result<(), WorkerError> {
+    let table = if target { &sql.target } else { &sql.source };
+    if sql.binary_types_match(&column_types(conn, table).await?, target) {
         return Ok(());
     }
     Err(WorkerError::BinaryTypes(format!(
-        "a column of {} differs from the source's type",
-        sql.target
+        "a column of {table} no longer has the type the binary pages were read in"
     )))
 }
