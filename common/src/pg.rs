@@ -581,16 +581,25 @@ pub const COLUMN_TYPES: &str = "SELECT a.attname::text, format_type(a.atttypid, 
      FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped";
 
 impl TableSql {
-    /// Whether binary pages can go from the source into the target: every task column is of
-    /// a built-in type whose name (with modifiers) is the same in `types`, one table's
-    /// [`COLUMN_TYPES`]; in the target (`target`) the version column is a `bigint`.
+    /// Whether every task column is in `types` (one table's [`COLUMN_TYPES`]) with the same
+    /// type, modifiers included.
+    pub fn columns_match(&self, types: &[(String, String, bool)]) -> bool {
+        self.columns
+            .iter()
+            .all(|c| types.iter().any(|(n, t, _)| *n == c.name && *t == c.sql_type))
+    }
+
+    /// Whether binary pages can go from the source into the target: the task's columns match
+    /// `types` and are all of built-in types; in the target (`target`) the version column is a
+    /// `bigint`.
     pub fn binary_types_match(&self, types: &[(String, String, bool)], target: bool) -> bool {
         let find = |name: &str| types.iter().find(|(n, _, _)| n == name);
-        let columns_match = self
-            .columns
-            .iter()
-            .all(|c| find(&c.name).is_some_and(|(_, t, builtin)| *builtin && *t == c.sql_type));
-        columns_match && (!target || find(VERSION_COLUMN).is_some_and(|(_, t, _)| t == "bigint"))
+        self.columns_match(types)
+            && self
+                .columns
+                .iter()
+                .all(|c| find(&c.name).is_some_and(|(_, _, builtin)| *builtin))
+            && (!target || find(VERSION_COLUMN).is_some_and(|(_, t, _)| t == "bigint"))
     }
 }
 

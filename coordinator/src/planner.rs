@@ -123,7 +123,7 @@ async fn key_is_unique(pool: &PgPool, table: &TableName, key: &[String]) -> Resu
     }))
 }
 
-fn schema_id(columns: &[Column]) -> String {
+pub(crate) fn schema_id(columns: &[Column]) -> String {
     let mut hasher = Sha256::new();
     for column in columns {
         hasher.update(column.name.as_bytes());
@@ -132,6 +132,13 @@ fn schema_id(columns: &[Column]) -> String {
         hasher.update(b"\n");
     }
     format!("schema-{}", hex::encode(&hasher.finalize()[..8]))
+}
+
+/// The pause reason when the source table's columns no longer match the epoch's.
+pub(crate) fn schema_changed_reason(table: &TableName, epoch: u64, now: &str, planned: &str) -> String {
+    format!(
+        "schema changed: source columns of {table} no longer match epoch {epoch} ({now} != {planned}); reinitialization required"
+    )
 }
 
 /// The smallest value of an integer key type: H0's largest key of an empty table, so that the
@@ -363,10 +370,7 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
     source.pool.close().await;
 
     if epoch.schema_id != source.schema_id {
-        let reason = format!(
-            "schema changed: source columns of {} no longer match epoch {} ({} != {}); reinitialization required",
-            source.table, epoch.epoch, source.schema_id, epoch.schema_id
-        );
+        let reason = schema_changed_reason(&source.table, epoch.epoch, &source.schema_id, &epoch.schema_id);
         tracing::error!(task, %reason, "pausing task");
         control.pause_task(task, &reason).await?;
     }

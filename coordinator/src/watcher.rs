@@ -3,7 +3,10 @@
 //! - `clock moved backwards`: the source clock reads more than `clock_tolerance` below the
 //!   highest reading seen (rows written meanwhile may carry times below the watermark);
 //! - `id regression` (append mode): the source's largest key is below a committed cursor
-//!   (keys were reused or a sequence was reset; new rows would never be read).
+//!   (keys were reused or a sequence was reset; new rows would never be read);
+//! - `schema changed`: a column of the source table was added, dropped, renamed or changed
+//!   its type since the epoch was planned (the workers also refuse every page read after such
+//!   a change, so none reaches the target before the pause).
 
 use std::time::Duration;
 
@@ -16,7 +19,7 @@ use tidemark_common::pg::{self, TableName, connect_options, quote_ident};
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
-use crate::planner::PreparedTask;
+use crate::planner::{self, PreparedTask};
 use crate::source_install::purge_function;
 
 pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Leadership) {
@@ -49,6 +52,14 @@ async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Res
         enforce_retention(control, task, source, now, *retention).await?;
     }
     if control.paused_reason(name).await?.is_some() {
+        return Ok(());
+    }
+    // Test hook: without the watcher's check, only the workers' refusal guards the target.
+    let watch_schema = std::env::var_os("TIDEMARK_TEST_NO_SCHEMA_WATCH").is_none();
+    if watch_schema && let Some(reason) = schema_change(control, task, source).await? {
+        if control.pause_task(name, &reason).await? {
+            tracing::error!(task = name, %reason, "pausing task");
+        }
         return Ok(());
     }
     if let Some(every) = task.config.reconcile_every
@@ -171,4 +182,26 @@ async fn pause(control: &ControlDb, task: &str, reason: &str) -> Result<(), Coor
         tracing::error!(task, reason, "task paused: the source broke its contract");
     }
     Ok(())
+}
+
+/// Whether the source table's columns (names and types, in order) differ from the current
+/// epoch's; `Some(reason)` when they do or the table is gone.
+async fn schema_change(
+    control: &ControlDb,
+    task: &PreparedTask,
+    source: &PgPool,
+) -> Result<Option<String>, CoordinatorError> {
+    let name = task.config.name.as_str();
+    let Some(epoch) = control.current_epoch(name).await? else {
+        return Ok(None);
+    };
+    let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
+    let now = match planner::introspect(source, name, "source", &table).await? {
+        Some(columns) => {
+            let columns: Vec<_> = columns.into_iter().map(|c| c.column).collect();
+            planner::schema_id(&columns)
+        }
+        None => "no table".to_string(),
+    };
+    Ok((now != epoch.schema_id).then(|| planner::schema_changed_reason(&table, epoch.epoch, &now, &epoch.schema_id)))
 }

@@ -24,6 +24,10 @@ pub enum WorkerError {
     /// column's type changed): it is abandoned and read again as text.
     #[error("binary batch no longer matches the column types: {0}")]
     BinaryTypes(String),
+    /// The source table's columns changed since the epoch was planned: the page is refused,
+    /// and the coordinator pauses the task (`schema changed … reinitialization required`).
+    #[error("schema changed: {0}")]
+    SchemaChanged(String),
 }
 
 impl From<tonic::Status> for WorkerError {

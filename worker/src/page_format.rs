@@ -4,9 +4,10 @@
 //! Binary skips rendering and parsing every number, time and uuid as text on both databases,
 //! but its bytes only mean something in the exact type that wrote them. So a shard reads binary
 //! only when the source's live column types, the task's frozen ones and the target's are the
-//! same built-in types; and every binary page and apply checks again, after the fact, so that a
-//! column type changed meanwhile is caught (`WorkerError::BinaryTypes`: the batch is abandoned
-//! and read again as text).
+//! same built-in types. And the checks run again, after the fact: every page, in either format,
+//! checks the source's columns against the epoch's (`WorkerError::SchemaChanged`: the page is
+//! refused and the coordinator pauses the task), and every binary apply checks the target's
+//! (`WorkerError::BinaryTypes`: the batch is abandoned and read again as text).
 
 use sqlx::postgres::{PgExecutor, PgPool};
 use tidemark_common::copy_binary;
@@ -72,10 +73,25 @@ async fn choose_checked(
     Ok(CopyFormat::Binary)
 }
 
-/// After a binary page was read: the source's columns still have the types it was read as.
-/// (Checked after the read, a change can only make it fail, never pass a page of other types.)
-pub async fn check_source(conn: impl PgExecutor<'_>, sql: &TableSql) -> Result<(), WorkerError> {
-    check(conn, sql, false).await
+/// After a page was read (in either format): the source's columns still have the types of
+/// the task's epoch, or the page is refused with `SchemaChanged` (the coordinator pauses the
+/// task with `schema changed`). A binary page also needs them built in. Checked after the
+/// read, a change can only make a page fail, never pass one of other types.
+pub async fn check_source(conn: impl PgExecutor<'_>, sql: &TableSql, format: CopyFormat) -> Result<(), WorkerError> {
+    let types = column_types(conn, &sql.source).await?;
+    if !sql.columns_match(&types) {
+        return Err(WorkerError::SchemaChanged(format!(
+            "page refused: a column of {} was dropped, renamed or changed its type since the epoch was planned",
+            sql.source
+        )));
+    }
+    if format == CopyFormat::Binary && !sql.binary_types_match(&types, false) {
+        return Err(WorkerError::BinaryTypes(format!(
+            "a column of {} is no longer of a built-in type",
+            sql.source
+        )));
+    }
+    Ok(())
 }
 
 /// Inside a binary batch's transaction, after its rows were written (so that no type change
@@ -83,15 +99,11 @@ pub async fn check_source(conn: impl PgExecutor<'_>, sql: &TableSql) -> Result<(
 /// Also before a binary batch's rows are isolated: a target column whose type changed rejects
 /// every row, which is no row's fault.
 pub async fn check_target(conn: impl PgExecutor<'_>, sql: &TableSql) -> Result<(), WorkerError> {
-    check(conn, sql, true).await
-}
-
-async fn check(conn: impl PgExecutor<'_>, sql: &TableSql, target: bool) -> Result<(), WorkerError> {
-    let table = if target { &sql.target } else { &sql.source };
-    if sql.binary_types_match(&column_types(conn, table).await?, target) {
+    if sql.binary_types_match(&column_types(conn, &sql.target).await?, true) {
         return Ok(());
     }
     Err(WorkerError::BinaryTypes(format!(
-        "a column of {table} no longer has the type the binary pages were read in"
+        "a column of {} no longer has the type the binary pages were read in",
+        sql.target
     )))
 }

@@ -54,9 +54,7 @@ pub async fn read_page(
         buffer.extend_from_slice(&chunk);
     }
     drop(stream);
-    if format == CopyFormat::Binary {
-        crate::page_format::check_source(&mut *conn, sql).await?;
-    }
+    crate::page_format::check_source(&mut *conn, sql, format).await?;
     let data = buffer.freeze();
     let rows = format.rows(&data).map_err(WorkerError::Data)?;
     let last = match rows.last() {

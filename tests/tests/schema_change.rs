@@ -1,0 +1,124 @@
+//! A schema change in the middle of an epoch (fault matrix S13). A source column changes its
+//! type while the shards run. The workers refuse every page read after the change, so nothing
+//! read under the new type reaches the target, and the coordinator pauses the task with
+//! `schema changed … reinitialization required` (its running check, or its start-up check).
+//! After the operator changes the target column too, `tasks reinit` converges per key.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use tidemark_tests::{Cluster, KeyKind, TaskSettings, TestDb, create_items};
+
+async fn quantities(db: &TestDb) -> BTreeMap<i64, Option<String>> {
+    sqlx::query_as::<_, (i64, Option<String>)>("SELECT id, qty::text FROM items WHERE id % 10 = 0")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
+    let mut cluster = Cluster::new("schema").await;
+    create_items(&cluster.source, KeyKind::Bigint, 3_000).await;
+    // The coordinator's running check is off at first: the workers alone must keep the
+    // changed rows out.
+    let settings = TaskSettings {
+        shards: 2,
+        coordinator_env: vec![("TIDEMARK_TEST_NO_SCHEMA_WATCH", "1".into())],
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    cluster.spawn_worker("a", 2, &[]);
+    cluster.spawn_worker("b", 2, &[]);
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    let before = quantities(&cluster.target).await;
+    assert_eq!(before.len(), 300);
+
+    // Values the old type cannot hold: read as text into the old target column, each would
+    // be a dead letter (numeric_value_out_of_range) if the change went unnoticed.
+    cluster
+        .source
+        .exec("ALTER TABLE items ALTER COLUMN qty TYPE bigint")
+        .await;
+    cluster
+        .source
+        .exec("UPDATE items SET qty = 5000000000 + id, updated_at = clock_timestamp() WHERE id % 10 = 0")
+        .await;
+    let changed = cluster.source_now_micros().await;
+    // The rows are readable once the safety delay has passed; the shards read them and refuse
+    // the pages.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cluster.workers.iter().any(|w| w.log_text().contains("page refused")) {
+        assert!(Instant::now() < deadline, "no worker refused a page after the change");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let status = cluster.task_status().await;
+    assert_ne!(status.phase, "paused", "the running check was off");
+    assert!(
+        status.watermark_micros.is_none_or(|w| w < changed),
+        "the watermark did not pass the refused rows"
+    );
+    assert_eq!(
+        quantities(&cluster.target).await,
+        before,
+        "nothing read under the new type reached the target"
+    );
+    let letters: i64 = sqlx::query_scalar("SELECT count(*) FROM tidemark_dead_letters")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(letters, 0, "no row was dead-lettered for the change");
+
+    // A coordinator with its checks on (here: restarted) pauses the task by name.
+    let config = cluster.config_path.clone();
+    cluster.launch_coordinator(&config, &[]).await;
+    let paused = cluster
+        .wait_for("the schema pause", Duration::from_secs(60), |t| t.phase == "paused")
+        .await;
+    assert!(
+        paused
+            .paused_reason
+            .starts_with("schema changed: source columns of public.items")
+            && paused.paused_reason.ends_with("reinitialization required"),
+        "{}",
+        paused.paused_reason
+    );
+    assert_eq!(quantities(&cluster.target).await, before);
+
+    // The operator changes the target column as well, then reinitializes.
+    cluster
+        .target
+        .exec("ALTER TABLE items ALTER COLUMN qty TYPE bigint")
+        .await;
+    // The restarted coordinator leads once the killed one's etcd lease has expired.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (ok, stdout, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
+        if ok {
+            assert!(stdout.contains("epoch 2"), "reinit: {stdout}");
+            break;
+        }
+        assert!(
+            stderr.contains("not the leader") && Instant::now() < deadline,
+            "reinit: {stderr}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let now = cluster.source_now_micros().await;
+    cluster
+        .wait_for("epoch 2 past the change", Duration::from_secs(90), |t| {
+            t.epoch == 2 && t.phase != "paused" && t.watermark_micros.is_some_and(|w| w > now)
+        })
+        .await;
+    cluster.items_diff().await.assert_clean("after reinit");
+    let after = quantities(&cluster.target).await;
+    assert!(
+        after
+            .iter()
+            .all(|(id, qty)| qty.as_deref() == Some((5_000_000_000 + id).to_string().as_str())),
+        "the new values arrived"
+    );
+}
