@@ -1,4 +1,5 @@
-//! Poison rows in upsert mode (fault matrix S14): values the target's column types reject go
+//! Poison rows in upsert mode (fault matrix S14: oversize values, numeric overflows, `\u0000`
+//! bound for jsonb, invalid and out-of-range dates): values the target's column types reject go
 //! to the dead letters in the transaction that applies the rest of their batch; every other
 //! key equals the source, and the shard keeps moving. In text batches (target types narrower
 //! than the source's) and in binary ones (equal types, constraints rejecting rows).
@@ -18,15 +19,19 @@ fn poison() -> BTreeMap<String, &'static str> {
     for k in 0..11 {
         ids.insert((300 + 1600 * k).to_string(), "numeric_value_out_of_range");
         ids.insert((500 + 1600 * k).to_string(), "untranslatable_character");
+        ids.insert((700 + 1600 * k).to_string(), "invalid_datetime_format");
+        ids.insert((900 + 1600 * k).to_string(), "datetime_field_overflow");
     }
     // Inserted during the incremental phase.
     ids.insert("30001".into(), "string_data_right_truncation");
     ids.insert("30002".into(), "numeric_value_out_of_range");
     ids.insert("30003".into(), "untranslatable_character");
+    ids.insert("30004".into(), "invalid_datetime_format");
     ids
 }
 
-/// id, name, amount, doc (as jsonb text) and version of every row, keyed by id.
+/// id, name, amount, doc (as jsonb text, and the date after it) and version of every row,
+/// keyed by id.
 async fn rows(db: &TestDb, query: &str) -> BTreeMap<String, (String, String, String, i64)> {
     sqlx::query(sqlx::AssertSqlSafe(query.to_string()))
         .fetch_all(&db.pool)
@@ -37,9 +42,10 @@ async fn rows(db: &TestDb, query: &str) -> BTreeMap<String, (String, String, Str
         .collect()
 }
 
-const SOURCE_ROWS: &str = "SELECT id::text, name, amount::text, doc::jsonb::text, \
+const SOURCE_ROWS: &str = "SELECT id::text, name, amount::text, doc::jsonb::text || ' ' || born, \
      (extract(epoch from updated_at) * 1000000)::bigint FROM items WHERE NOT (id::text = ANY($POISON))";
-const TARGET_ROWS: &str = "SELECT id::text, name::text, amount::text, doc::text, _tidemark_version FROM items";
+const TARGET_ROWS: &str =
+    "SELECT id::text, name::text, amount::text, doc::text || ' ' || born::text, _tidemark_version FROM items";
 
 async fn assert_target_equals_source_except_poison(cluster: &Cluster, poison: &[String], context: &str) {
     assert_equal_except(cluster, (SOURCE_ROWS, TARGET_ROWS), poison, context).await;
@@ -97,23 +103,26 @@ async fn poison_rows_go_to_dead_letters_and_the_rest_converges() {
         .source
         .exec(
             "CREATE TABLE items (id bigint PRIMARY KEY, updated_at timestamptz(3) NOT NULL DEFAULT clock_timestamp(),
-                name text NOT NULL, amount numeric(12,2) NOT NULL, doc json NOT NULL);
+                name text NOT NULL, amount numeric(12,2) NOT NULL, doc json NOT NULL,
+                born text NOT NULL DEFAULT '2001-02-03');
              INSERT INTO items (id, name, amount, doc)
              SELECT g, 'item-' || g, (g % 1000) + 0.25, json_build_object('n', g)
              FROM generate_series(1, 20000) g;
              UPDATE items SET name = repeat('x', 40) WHERE id % 1600 = 100 AND id < 19200;
              UPDATE items SET amount = 123456789.5 WHERE id % 1600 = 300 AND id < 17900;
-             UPDATE items SET doc = '{\"a\": \"nul \\u0000 here\"}' WHERE id % 1600 = 500 AND id < 17900;",
+             UPDATE items SET doc = '{\"a\": \"nul \\u0000 here\"}' WHERE id % 1600 = 500 AND id < 17900;
+             UPDATE items SET born = 'not a date' WHERE id % 1600 = 700 AND id < 17900;
+             UPDATE items SET born = '2023-02-30' WHERE id % 1600 = 900 AND id < 17900;",
         )
         .await;
     // The target's types are narrower than the source's: 16 characters, 8 digits, jsonb
-    // (which cannot hold \u0000).
+    // (which cannot hold \u0000), and a date where the source has text.
     cluster
         .target
         .exec(
             "CREATE TABLE items (id bigint PRIMARY KEY, updated_at timestamptz(3) NOT NULL,
                 name varchar(16) NOT NULL, amount numeric(8,2) NOT NULL, doc jsonb NOT NULL,
-                _tidemark_version bigint NOT NULL)",
+                born date NOT NULL, _tidemark_version bigint NOT NULL)",
         )
         .await;
     start_two_workers(&mut cluster).await;
@@ -121,12 +130,12 @@ async fn poison_rows_go_to_dead_letters_and_the_rest_converges() {
         .into_keys()
         .filter(|k| k.parse::<i64>().unwrap() < 30_000)
         .collect();
-    assert_eq!(snapshot_poison.len(), 34);
+    assert_eq!(snapshot_poison.len(), 56);
     cluster
         .wait_for("the snapshot", Duration::from_secs(180), |t| t.snapshot_complete)
         .await;
 
-    // Changes after the poison: updates, good inserts and three more poison rows.
+    // Changes after the poison: updates, good inserts and four more poison rows.
     cluster
         .source
         .exec(
@@ -136,7 +145,8 @@ async fn poison_rows_go_to_dead_letters_and_the_rest_converges() {
              INSERT INTO items (id, name, amount, doc) VALUES
                (30001, repeat('y', 17), 1, '{}'),
                (30002, 'overflow', 1000000, '{}'),
-               (30003, 'nul', 1, '[\"\\u0000\"]');",
+               (30003, 'nul', 1, '[\"\\u0000\"]');
+             INSERT INTO items (id, name, amount, doc, born) VALUES (30004, 'date', 1, '{}', '31.12.2023x');",
         )
         .await;
     let now = cluster.source_now_micros().await;
@@ -148,15 +158,15 @@ async fn poison_rows_go_to_dead_letters_and_the_rest_converges() {
 
     let poison = poison();
     let poison_keys: Vec<String> = poison.keys().cloned().collect();
-    assert_eq!(poison_keys.len(), 37);
+    assert_eq!(poison_keys.len(), 60);
     assert_target_equals_source_except_poison(&cluster, &poison_keys, "after the changes").await;
     let found = letters(&cluster.target).await;
     let expected: BTreeMap<String, (String, String)> = poison
         .iter()
         .map(|(k, class)| (k.clone(), (class.to_string(), "INIT".to_string())))
         .collect();
-    assert_eq!(found, expected, "dead letters are exactly the 37 poison rows");
-    assert_eq!(cluster.task_status().await.dead_letters.get("INIT").copied(), Some(37));
+    assert_eq!(found, expected, "dead letters are exactly the 60 poison rows");
+    assert_eq!(cluster.task_status().await.dead_letters.get("INIT").copied(), Some(60));
 
     // The operator widens the name column and retries those rows: they land, and equal the
     // source; the others fail again and wait.
