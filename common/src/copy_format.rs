@@ -20,6 +20,14 @@ pub const DATA_FORMAT_PG_COPY_TEXT: &str = "pg_copy_text";
 pub const DATA_FORMAT_PG_COPY_BINARY: &str = "pg_copy_binary";
 
 impl CopyFormat {
+    /// `text` or `binary`: as metrics and traces label a batch.
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyFormat::Text => "text",
+            CopyFormat::Binary => "binary",
+        }
+    }
+
     /// The `COPY` option that selects the format, with its leading space.
     pub fn copy_option(self) -> &'static str {
         match self {

@@ -65,7 +65,7 @@ async fn a_batch_is_one_trace_across_worker_and_coordinator() {
     };
     assert_eq!(batch.service, "tidemark-worker-test", "OTEL_SERVICE_NAME is honoured");
     for attribute in [
-        "task", "epoch", "shard", "batch_id", "rows", "bytes", "lower", "upper", "replay",
+        "task", "epoch", "shard", "batch_id", "rows", "bytes", "format", "lower", "upper", "replay",
     ] {
         assert!(
             batch.attribute(attribute).is_some(),
@@ -73,6 +73,7 @@ async fn a_batch_is_one_trace_across_worker_and_coordinator() {
         );
     }
     assert_eq!(batch.attribute("task"), Some("items"));
+    assert_eq!(batch.attribute("format"), Some("binary"));
     let batch_id = batch.attribute("batch_id").unwrap();
     for span in &trace {
         let expected_service = if span.name.starts_with("coordinator.") {
@@ -155,6 +156,12 @@ async fn metrics_agree_with_the_ledger() {
     let read = sample(&worker, "tidemark_rows_read_total", "task=\"items\"").expect("rows read");
     assert!(read as i64 >= ledger, "the worker read at least what was applied");
     let applied_by_worker = sample(&worker, "tidemark_rows_applied_total", "task=\"items\"").unwrap();
+    // The target is created from the source's columns: every batch is binary COPY.
+    assert!(
+        worker.contains("tidemark_batches_total{task=\"items\",kind=\"rows\",format=\"binary\"}"),
+        "{worker}"
+    );
+    assert!(!worker.contains("format=\"text\""), "{worker}");
     assert!(applied_by_worker as i64 >= ledger, "one worker applied every batch");
     for step in WORKER_STEPS {
         assert!(

@@ -40,7 +40,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "Rows applied to the target by this worker (batches it applied, not ones found already applied)",
         m.rows_applied.clone(),
     );
-    registry.register("tidemark_batches", "Batches committed, by kind", m.batches.clone());
+    registry.register(
+        "tidemark_batches",
+        "Batches committed, by kind and COPY format",
+        m.batches.clone(),
+    );
     registry.register(
         "tidemark_batch_replays",
         "Pending batches re-applied from staging",

@@ -257,6 +257,7 @@ impl ShardRun {
             batch_id = %pending.batch_id,
             rows = pending.row_count,
             bytes = tracing::field::Empty,
+            format = tracing::field::Empty,
             lower = tracing::field::Empty,
             upper = tracing::field::Empty,
             replay = true,
@@ -283,7 +284,9 @@ impl ShardRun {
         } else {
             overlap_region(&lower, &upper)
         };
-        let applied = match apply_batch(&self.resources.target, &self.batch(&manifest, &data, overlap)?).await {
+        let batch = self.batch(&manifest, &data, overlap)?;
+        tracing::Span::current().record("format", batch.format.name());
+        let applied = match apply_batch(&self.resources.target, &batch).await {
             Err(WorkerError::BinaryTypes(reason)) => {
                 self.abandon(client, &pending.batch_id, reason.clone()).await?;
                 self.read_text(&reason);
@@ -605,6 +608,7 @@ impl ShardRun {
             batch_id = tracing::field::Empty,
             rows = tracing::field::Empty,
             bytes = tracing::field::Empty,
+            format = tracing::field::Empty,
             lower = tracing::field::Empty,
             upper = tracing::field::Empty,
             replay = false,
@@ -689,6 +693,7 @@ impl ShardRun {
         span.record("batch_id", batch_id.as_str());
         span.record("rows", row_count);
         span.record("bytes", data.len() as u64);
+        span.record("format", format.name());
         span.record("lower", lower.describe().as_str());
         span.record("upper", upper.describe().as_str());
         let bounds = Bounds {
@@ -785,6 +790,7 @@ impl ShardRun {
             .get_or_create(&tidemark_common::metrics::labels(&[
                 ("task", &self.task.name),
                 ("kind", if repair { "repair" } else { "rows" }),
+                ("format", format.name()),
             ]))
             .inc();
         crash::point("after_commit");
