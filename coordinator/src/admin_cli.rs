@@ -148,19 +148,39 @@ pub async fn tasks_list(addresses: &str, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn task_change(addresses: &str, task: String, action: &str, reason: String) -> anyhow::Result<()> {
+/// Prints an action's result: one line, or (`json`) one JSON object.
+fn report(json: bool, value: serde_json::Value, line: String) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(&value)?);
+    } else {
+        println!("{line}");
+    }
+    Ok(())
+}
+
+pub async fn task_change(
+    addresses: &str,
+    task: String,
+    action: &str,
+    reason: String,
+    json: bool,
+) -> anyhow::Result<()> {
     match action {
         "pause" => {
             let request = pb::TaskRequest {
                 task: task.clone(),
-                reason,
+                reason: reason.clone(),
             };
             admin(addresses, |mut c| {
                 let request = request.clone();
                 async move { c.pause_task(request).await }
             })
             .await?;
-            println!("task {task} paused");
+            report(
+                json,
+                json!({ "task": task, "paused": true, "reason": reason }),
+                format!("task {task} paused"),
+            )?;
         }
         "resume" => {
             let request = pb::TaskRequest {
@@ -172,7 +192,11 @@ pub async fn task_change(addresses: &str, task: String, action: &str, reason: St
                 async move { c.resume_task(request).await }
             })
             .await?;
-            println!("task {task} resumed");
+            report(
+                json,
+                json!({ "task": task, "paused": false }),
+                format!("task {task} resumed"),
+            )?;
         }
         _ => {
             let request = pb::TaskRequest {
@@ -184,10 +208,14 @@ pub async fn task_change(addresses: &str, task: String, action: &str, reason: St
                 async move { c.reinit_task(request).await }
             })
             .await?;
-            println!(
-                "task {task} reinitialized: epoch {} snapshots the table again; reconciliation run {} removes keys deleted meanwhile",
-                response.epoch, response.reconcile_run_id
-            );
+            report(
+                json,
+                json!({ "task": task, "epoch": response.epoch, "reconcile_run_id": response.reconcile_run_id }),
+                format!(
+                    "task {task} reinitialized: epoch {} snapshots the table again; reconciliation run {} removes keys deleted meanwhile",
+                    response.epoch, response.reconcile_run_id
+                ),
+            )?;
         }
     }
     Ok(())
@@ -246,7 +274,7 @@ pub async fn shards_list(addresses: &str, task: Option<String>, json: bool) -> a
     Ok(())
 }
 
-pub async fn operation(addresses: &str, request: Operation) -> anyhow::Result<()> {
+pub async fn operation(addresses: &str, request: Operation, json: bool) -> anyhow::Result<()> {
     let response = match request {
         Operation::Split(r) => {
             admin(addresses, |mut c| {
@@ -277,8 +305,7 @@ pub async fn operation(addresses: &str, request: Operation) -> anyhow::Result<()
             .await?
         }
     };
-    println!("{}", response.message);
-    Ok(())
+    report(json, json!({ "message": response.message }), response.message.clone())
 }
 
 pub enum Operation {
@@ -439,6 +466,7 @@ pub async fn dead_letters_resolve(
     task: String,
     keys: Vec<String>,
     all_failed: bool,
+    json: bool,
 ) -> anyhow::Result<()> {
     let request = pb::ResolveDeadLettersRequest { task, keys, all_failed };
     let result = admin(addresses, |mut c| {
@@ -446,6 +474,9 @@ pub async fn dead_letters_resolve(
         async move { c.resolve_dead_letters(request).await }
     })
     .await?;
-    println!("{} dead letters marked RESOLVED", result.resolved);
-    Ok(())
+    report(
+        json,
+        json!({ "resolved": result.resolved }),
+        format!("{} dead letters marked RESOLVED", result.resolved),
+    )
 }

@@ -125,12 +125,16 @@ enum TaskAction {
         target: Target,
         #[arg(long, default_value = "paused by operator")]
         reason: String,
+        #[arg(long)]
+        json: bool,
     },
     /// Resume a paused task after its cause was fixed.
     Resume {
         task: String,
         #[command(flatten)]
         target: Target,
+        #[arg(long)]
+        json: bool,
     },
     /// Start a fresh baseline (a new epoch: full snapshot, then a full reconciliation) for a
     /// task that needs reinitialization.
@@ -138,6 +142,8 @@ enum TaskAction {
         task: String,
         #[command(flatten)]
         target: Target,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -162,6 +168,8 @@ enum ShardAction {
         at: Option<String>,
         #[command(flatten)]
         target: Target,
+        #[arg(long)]
+        json: bool,
     },
     /// Merge two adjacent shards into one.
     Merge {
@@ -171,6 +179,8 @@ enum ShardAction {
         second: u32,
         #[command(flatten)]
         target: Target,
+        #[arg(long)]
+        json: bool,
     },
     /// Hand a shard to another worker (its batch in flight finishes first).
     Move {
@@ -182,6 +192,8 @@ enum ShardAction {
         to: String,
         #[command(flatten)]
         target: Target,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -199,6 +211,8 @@ enum WorkerAction {
         worker: String,
         #[command(flatten)]
         target: Target,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -243,6 +257,8 @@ enum DeadLetterAction {
         all_failed: bool,
         #[command(flatten)]
         target: Target,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -309,14 +325,17 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Tasks { action } => match action {
             TaskAction::List { target, json } => admin_cli::tasks_list(&target.coordinator, json).await,
-            TaskAction::Pause { task, target, reason } => {
-                admin_cli::task_change(&target.coordinator, task, "pause", reason).await
+            TaskAction::Pause {
+                task,
+                target,
+                reason,
+                json,
+            } => admin_cli::task_change(&target.coordinator, task, "pause", reason, json).await,
+            TaskAction::Resume { task, target, json } => {
+                admin_cli::task_change(&target.coordinator, task, "resume", String::new(), json).await
             }
-            TaskAction::Resume { task, target } => {
-                admin_cli::task_change(&target.coordinator, task, "resume", String::new()).await
-            }
-            TaskAction::Reinit { task, target } => {
-                admin_cli::task_change(&target.coordinator, task, "reinit", String::new()).await
+            TaskAction::Reinit { task, target, json } => {
+                admin_cli::task_change(&target.coordinator, task, "reinit", String::new(), json).await
             }
         },
         Command::Shards { action } => match action {
@@ -326,45 +345,49 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 shard,
                 at,
                 target,
+                json,
             } => {
                 let request = pb::SplitShardRequest {
                     task,
                     shard_id: shard,
                     at: at.unwrap_or_default(),
                 };
-                admin_cli::operation(&target.coordinator, Operation::Split(request)).await
+                admin_cli::operation(&target.coordinator, Operation::Split(request), json).await
             }
             ShardAction::Merge {
                 task,
                 first,
                 second,
                 target,
+                json,
             } => {
                 let request = pb::MergeShardsRequest {
                     task,
                     shard_a: first,
                     shard_b: second,
                 };
-                admin_cli::operation(&target.coordinator, Operation::Merge(request)).await
+                admin_cli::operation(&target.coordinator, Operation::Merge(request), json).await
             }
             ShardAction::Move {
                 task,
                 shard,
                 to,
                 target,
+                json,
             } => {
                 let request = pb::MoveShardRequest {
                     task,
                     shard_id: shard,
                     worker: to,
                 };
-                admin_cli::operation(&target.coordinator, Operation::Move(request)).await
+                admin_cli::operation(&target.coordinator, Operation::Move(request), json).await
             }
         },
         Command::Workers { action } => match action {
             WorkerAction::List { target, json } => admin_cli::workers_list(&target.coordinator, json).await,
-            WorkerAction::Drain { worker, target } => {
-                admin_cli::operation(&target.coordinator, Operation::Drain(pb::DrainWorkerRequest { worker })).await
+            WorkerAction::Drain { worker, target, json } => {
+                let request = pb::DrainWorkerRequest { worker };
+                admin_cli::operation(&target.coordinator, Operation::Drain(request), json).await
             }
         },
         Command::DeadLetters { action } => match action {
@@ -386,7 +409,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 keys,
                 all_failed,
                 target,
-            } => admin_cli::dead_letters_resolve(&target.coordinator, task, keys, all_failed).await,
+                json,
+            } => admin_cli::dead_letters_resolve(&target.coordinator, task, keys, all_failed, json).await,
         },
         Command::Source {
             action: SourceAction::Install { task, config },

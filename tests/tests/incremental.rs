@@ -579,16 +579,11 @@ async fn clock_rollback_within_tolerance_loses_nothing_and_beyond_it_pauses() {
 
     // An operator pause while workers commit every poll: their commits are refused, and they
     // release their shards (a dropped but unreleased shard would stay owned for ever).
-    let (ok, _, stderr) = cluster.cli(&[
-        "tasks",
-        "pause",
-        "items",
-        "--coordinator",
-        &cluster.address,
-        "--reason",
-        "maintenance",
-    ]);
-    assert!(ok, "{stderr}");
+    let paused = cluster.cli_json(&["tasks", "pause", "items", "--reason", "maintenance"]);
+    assert_eq!(
+        (paused["task"].as_str(), paused["paused"].as_bool()),
+        (Some("items"), Some(true))
+    );
     let status = cluster
         .wait_for("every shard released", Duration::from_secs(30), |t| {
             t.shards.iter().all(|s| s.owner.is_empty())

@@ -121,8 +121,9 @@ async fn split_merge_move_and_drain_while_syncing() {
         let ids: Vec<u64> = shards.iter().map(|s| s["shard"].as_u64().unwrap()).collect();
         assert!(ids.contains(&8) && ids.contains(&9), "children get new ids: {ids:?}");
 
-        // Merge shards 4 and 5 (adjacent).
-        cli_ok(cluster, &["shards", "merge", "--task", "items", "4", "5"]);
+        // Merge shards 4 and 5 (adjacent); the action's result as JSON.
+        let merged = cluster.cli_json(&["shards", "merge", "--task", "items", "4", "5"]);
+        assert!(merged["message"].as_str().is_some_and(|m| !m.is_empty()), "{merged}");
         wait_shards(cluster, "the merge", |s| {
             s.iter().all(|x| x["shard"] != 4 && x["shard"] != 5) && s.len() == 8
         })
