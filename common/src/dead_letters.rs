@@ -90,10 +90,12 @@ pub fn row_key(sql: &TableSql, format: CopyFormat, row: &[u8]) -> String {
         .map(|(i, sql_type)| match format.field_text(row, i, &sql_type) {
             Ok(Some(text)) => text,
             Ok(None) => "NULL".to_string(),
-            Err(_) => match (format, copy_text::raw_field(row, i)) {
-                (CopyFormat::Text, Some(raw)) => String::from_utf8_lossy(raw).into_owned(),
-                _ => String::new(),
-            },
+            // Undecodable: the raw field, so that two such keys stay apart.
+            Err(_) => match format {
+                CopyFormat::Text => copy_text::raw_field(row, i).map(|raw| String::from_utf8_lossy(raw).into_owned()),
+                CopyFormat::Binary => crate::copy_binary::field(row, i).flatten().map(hex::encode),
+            }
+            .unwrap_or_default(),
         })
         .collect();
     match values.as_slice() {

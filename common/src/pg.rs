@@ -574,11 +574,13 @@ impl TableSql {
     }
 }
 
-/// A table's columns: name, type as `format_type` prints it, and whether the type is built in
-/// (a binary array or record names its element types by OID, which differ between
-/// databases). `$1`: the quoted table name.
-pub const COLUMN_TYPES: &str = "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.atttypid < 16384 \
-     FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped";
+/// A table's columns in order: name, type as `format_type` prints it, whether the type is
+/// built in (a binary array or record names its element types by OID, which differ between
+/// databases), and NOT NULL. `$1`: the quoted table name. The planner's introspection and the
+/// worker's type checks both read it.
+pub const COLUMN_TYPES: &str = "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.atttypid < 16384, \
+     a.attnotnull FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped \
+     ORDER BY a.attnum";
 
 impl TableSql {
     /// Whether every task column is in `types` (one table's [`COLUMN_TYPES`]) with the same

@@ -82,14 +82,11 @@ pub(crate) async fn introspect(
     if exists.is_none() {
         return Ok(None);
     }
-    let rows = sqlx::query(
-        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull FROM pg_attribute a \
-         WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
-    )
-    .bind(table.quoted())
-    .fetch_all(pool)
-    .await
-    .map_err(query_error)?;
+    let rows = sqlx::query(pg::COLUMN_TYPES)
+        .bind(table.quoted())
+        .fetch_all(pool)
+        .await
+        .map_err(query_error)?;
     Ok(Some(
         rows.into_iter()
             .map(|row| SourceColumn {
@@ -97,7 +94,7 @@ pub(crate) async fn introspect(
                     name: row.get(0),
                     sql_type: row.get(1),
                 },
-                not_null: row.get(2),
+                not_null: row.get(3),
             })
             .collect(),
     ))

@@ -23,11 +23,16 @@ const FORMAT_ENV: &str = "TIDEMARK_COPY_FORMAT";
 
 type ColumnTypes = Vec<(String, String, bool)>;
 
+/// Name, type and whether it is built in, per column.
 async fn column_types(conn: impl PgExecutor<'_>, table: &TableName) -> Result<ColumnTypes, sqlx::Error> {
-    sqlx::query_as(pg::COLUMN_TYPES)
+    let rows: Vec<(String, String, bool, bool)> = sqlx::query_as(pg::COLUMN_TYPES)
         .bind(table.quoted())
         .fetch_all(conn)
-        .await
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, sql_type, built_in, _)| (name, sql_type, built_in))
+        .collect())
 }
 
 /// The format this shard's pages are read in. Text when the column types cannot be read
