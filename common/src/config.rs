@@ -142,6 +142,12 @@ pub struct TaskConfig {
     /// A dead letter whose retries failed this many times becomes FAILED.
     #[serde(default = "default_max_retries")]
     pub max_retries: u32,
+    /// When the target rejects more than this share of a batch's rows (a batch of at least
+    /// [`crate::dead_letters::MIN_ROWS_FOR_RATIO`] rows), the rows are not dead-lettered: that is a
+    /// target problem (a new constraint, a narrowed column), and the task pauses with
+    /// `target rejects rows`. 1.0 dead-letters whatever the target rejects.
+    #[serde(default = "default_max_dead_letter_ratio")]
+    pub max_dead_letter_ratio: f64,
 }
 
 /// `delete_policy = { kind = "soft", column = "deleted_at" }`: the source marks deleted rows
@@ -290,6 +296,9 @@ fn default_staging_retention() -> Duration {
 fn default_shards() -> u32 {
     8
 }
+fn default_max_dead_letter_ratio() -> f64 {
+    0.5
+}
 fn default_page_size() -> u32 {
     5000
 }
@@ -385,6 +394,12 @@ impl Config {
             }
             if task.shards == 0 || task.shards > 4096 {
                 return Err(invalid(format!("task {name}: shards must be between 1 and 4096")));
+            }
+            if !(task.max_dead_letter_ratio > 0.0 && task.max_dead_letter_ratio <= 1.0) {
+                return Err(invalid(format!(
+                    "task {name}: max_dead_letter_ratio must be above 0 and at most 1, not {}",
+                    task.max_dead_letter_ratio
+                )));
             }
             if task.page_size == 0 {
                 return Err(invalid(format!("task {name}: page_size must be at least 1")));
@@ -586,6 +601,20 @@ cursor_column = "updated_at"
         assert!(err.contains("remove cursor_column"), "{err}");
         let err = parse("clock_tolerance = \"1m\"").unwrap_err().to_string();
         assert!(err.contains("clock_tolerance must not exceed overlap"), "{err}");
+        assert_eq!(parse("").unwrap().tasks[0].max_dead_letter_ratio, 0.5);
+        assert_eq!(
+            parse("max_dead_letter_ratio = 1.0").unwrap().tasks[0].max_dead_letter_ratio,
+            1.0
+        );
+        for bad in ["0.0", "1.5", "-0.1", "nan"] {
+            let err = parse(&format!("max_dead_letter_ratio = {bad}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("max_dead_letter_ratio must be above 0 and at most 1"),
+                "{bad}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -18,6 +18,50 @@ pub const STATUSES: [&str; 5] = ["INIT", "RETRY", "PROCESSING", "RESOLVED", "FAI
 /// A PROCESSING claim older than this belongs to a retry run that died; another may take it.
 pub const STALE_CLAIM_SECS: i64 = 300;
 
+/// Batches smaller than this are too small to tell bad rows from a target problem: whatever
+/// the target rejects of them goes to the dead letters.
+pub const MIN_ROWS_FOR_RATIO: usize = 20;
+
+/// How many of a batch's `rows` may go to the dead letters under the task's
+/// `max_dead_letter_ratio`; more means the target, not the rows, is at fault. A ratio of 0
+/// (a coordinator that predates the setting) or of 1 sets no limit.
+pub fn limit(rows: usize, max_ratio: f64) -> usize {
+    if rows < MIN_ROWS_FOR_RATIO || max_ratio <= 0.0 || max_ratio >= 1.0 {
+        rows
+    } else {
+        (rows as f64 * max_ratio).floor() as usize
+    }
+}
+
+/// Rows of a failing batch probed one by one before its bisection, to tell a target problem
+/// from bad rows without isolating every rejected row.
+pub const SAMPLE_ROWS: usize = 32;
+
+/// How many of `sample` rows drawn from a batch must be rejected to conclude that the target
+/// rejects more than `share` of the batch: the smallest k with P(X ≥ k) ≤ 0.001 for
+/// X ~ Binomial(sample, share). `sample + 1` when no count is that unlikely.
+pub fn decisive_rejections(sample: usize, share: f64) -> usize {
+    const FALSE_ALARM: f64 = 0.001;
+    let share = share.clamp(0.0, 1.0);
+    if share < 1e-6 {
+        // (Next to) no rejection is allowed: one decides. (Also keeps share^sample above 0.)
+        return 1;
+    }
+    // P(X = k), from k = sample down, by the ratio of consecutive terms.
+    let mut term = share.powi(sample as i32);
+    let mut tail = 0.0;
+    for k in (0..=sample).rev() {
+        tail += term;
+        if tail > FALSE_ALARM {
+            return k + 1;
+        }
+        if k > 0 {
+            term *= (k as f64 / (sample - k + 1) as f64) * ((1.0 - share) / share);
+        }
+    }
+    0
+}
+
 /// The layout of a dead letter's payload: the row as its batch staged it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
@@ -208,5 +252,40 @@ mod tests {
         for bad in ["binary", "target+binary+binary", "staged+lz4", ""] {
             assert!(Layout::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_limit_applies_to_batches_of_twenty_rows_or_more() {
+        assert_eq!(limit(19, 0.5), 19);
+        assert_eq!(limit(20, 0.5), 10);
+        assert_eq!(limit(1001, 0.5), 500);
+        assert_eq!(limit(1000, 0.01), 10);
+        assert_eq!(limit(1000, 1.0), 1000);
+        assert_eq!(limit(1000, 0.0), 1000, "unset by an older coordinator: no limit");
+    }
+
+    /// The binomial tail, term by term, for checking [`decisive_rejections`].
+    fn tail(n: usize, p: f64, k: usize) -> f64 {
+        let choose = |n: usize, k: usize| (0..k).fold(1.0, |c, i| c * (n - i) as f64 / (i + 1) as f64);
+        (k..=n)
+            .map(|j| choose(n, j) * p.powi(j as i32) * (1.0 - p).powi((n - j) as i32))
+            .sum()
+    }
+
+    #[test]
+    fn decisive_rejections_is_the_smallest_count_with_a_tail_of_one_in_a_thousand() {
+        for share in [0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99] {
+            let k = decisive_rejections(SAMPLE_ROWS, share);
+            assert!(k <= SAMPLE_ROWS + 1, "{share}: {k}");
+            if k <= SAMPLE_ROWS {
+                assert!(tail(SAMPLE_ROWS, share, k) <= 0.001, "{share}: {k}");
+            }
+            assert!(tail(SAMPLE_ROWS, share, k - 1) > 0.001, "{share}: {k} is the smallest");
+        }
+        assert_eq!(decisive_rejections(32, 0.5), 26);
+        assert_eq!(decisive_rejections(32, 0.0), 1, "no rejection allowed: one decides");
+        assert_eq!(decisive_rejections(32, 0.99), 33, "never decisive");
+        // A target rejecting 90% of rows is caught by the sample 93% of the time.
+        assert!(tail(32, 0.9, decisive_rejections(32, 0.5)) > 0.9);
     }
 }

@@ -331,12 +331,13 @@ impl ControlDb {
     /// Clears a pause. The source clock's high-water mark starts afresh, so a clock that was
     /// reset on purpose does not pause the task again at once.
     pub async fn resume_task(&self, task: &str) -> Result<bool, CoordinatorError> {
-        let updated =
-            sqlx::query("UPDATE tasks SET paused_reason = NULL, max_source_clock_micros = NULL WHERE name = $1")
-                .bind(task)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
+        let updated = sqlx::query(
+            "UPDATE tasks SET paused_reason = NULL, max_source_clock_micros = NULL, resumed_at = now() WHERE name = $1",
+        )
+        .bind(task)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
         Ok(updated == 1)
     }
 
@@ -427,7 +428,7 @@ impl ControlDb {
         owner: &str,
     ) -> Result<Option<ShardRecord>, CoordinatorError> {
         let row = sqlx::query(
-            "UPDATE checkpoints SET fence = $4, owner = $5, updated_at = now(), \
+            "UPDATE checkpoints SET fence = $4, owner = $5, updated_at = now(), acquired_at = now(), \
              release_requested = (pending_op IS NOT NULL), reserved_for = NULL, reserved_until = NULL \
              WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence < $4 AND NOT retired \
              RETURNING range, cursor, version, fence",
@@ -752,6 +753,33 @@ impl ControlDb {
         .await?;
         tx.commit().await?;
         Ok(version as u64)
+    }
+
+    /// Pauses the task on behalf of the shard's current owner (`fence`, `owner`), unless the
+    /// task was resumed after the owner acquired the shard: its failure may predate the fix
+    /// the operator resumed after. False when the request did not pause the task.
+    pub async fn pause_for_owner(
+        &self,
+        shard: &ShardKey,
+        fence: u64,
+        owner: &str,
+        reason: &str,
+    ) -> Result<bool, CoordinatorError> {
+        let paused = sqlx::query(
+            "UPDATE tasks t SET paused_reason = $6 WHERE t.name = $1 AND t.paused_reason IS NULL AND EXISTS ( \
+               SELECT 1 FROM checkpoints c WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3 AND c.fence = $4 \
+               AND c.owner = $5 AND (t.resumed_at IS NULL OR c.acquired_at >= t.resumed_at))",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .bind(fence as i64)
+        .bind(owner)
+        .bind(reason)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(paused == 1)
     }
 
     pub async fn release(&self, shard: &ShardKey, fence: u64, owner: &str) -> Result<(), CoordinatorError> {

@@ -114,6 +114,7 @@ impl CoordinatorService {
             delete_column: delete_column.to_string(),
             target_soft_deletes: config.target_deletes == TargetDeletes::Soft,
             filter: config.filter.clone().unwrap_or_default(),
+            max_dead_letter_ratio: config.max_dead_letter_ratio,
             accumulate: match config
                 .accumulate_spec()
                 .map_err(|e| CoordinatorError::task_setup(&config.name, e))?
@@ -471,6 +472,22 @@ impl WorkerService for CoordinatorService {
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
         self.inner.leases.release(&shard, request.fence_token).await?;
+        if !request.pause_reason.is_empty() {
+            let reason = format!(
+                "{}; fix the target, then `tidemark-coordinator tasks resume {}`",
+                request.pause_reason, shard.task
+            );
+            let control = &self.inner.control;
+            if control
+                .pause_for_owner(&shard, request.fence_token, &request.worker_id, &reason)
+                .await?
+            {
+                tracing::error!(task = %shard.task, shard = shard.shard_id, %reason, "task paused");
+            } else {
+                tracing::warn!(task = %shard.task, shard = shard.shard_id, reason = %request.pause_reason,
+                    "pause request ignored: the task is paused already, was resumed since the shard was acquired, or the shard moved on");
+            }
+        }
         self.inner
             .control
             .release(&shard, request.fence_token, &request.worker_id)

@@ -406,6 +406,7 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
         data: &data,
         format: tidemark_common::copy_format::CopyFormat::from_data_format(&manifest.data_format).unwrap(),
         overlap: None,
+        max_dead_letter_ratio: 0.5,
     };
     let applied = tidemark_worker::apply::apply_batch(&trigger.target.pool, &batch)
         .await

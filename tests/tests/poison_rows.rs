@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use sqlx::Row;
-use tidemark_tests::{Cluster, TaskSettings, TestDb};
+use tidemark_tests::{Cluster, KeyKind, TaskSettings, TestDb, create_items};
 
 /// Id → the class its poison should be dead-lettered with.
 fn poison() -> BTreeMap<String, &'static str> {
@@ -342,4 +342,73 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
         .await
         .unwrap();
     assert!(abandoned >= 1, "the mismatched binary batches were abandoned");
+}
+
+/// A target problem is not bad rows. With a CHECK constraint that 99 rows in 100 violate,
+/// no batch is dead-lettered (more than `max_dead_letter_ratio`, 0.5 by default, of it would
+/// be): the task pauses with `target rejects rows`, naming the constraint, and nothing of the
+/// rejected batches reaches the target. Once the operator drops the constraint and resumes,
+/// the registered batches are replayed, every key equals the source, and no row was ever
+/// dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_rejecting_most_rows_pauses_the_task_instead_of_dead_lettering_them() {
+    let mut cluster = Cluster::new("rejects").await;
+    create_items(&cluster.source, KeyKind::Bigint, 8_000).await;
+    cluster
+        .target
+        .exec(
+            "CREATE TABLE items (id bigint PRIMARY KEY, seq bigint NOT NULL UNIQUE, name text NOT NULL,
+                qty integer, price numeric(12,2), payload jsonb, note text,
+                updated_at timestamptz(3) NOT NULL, _tidemark_version bigint NOT NULL,
+                CONSTRAINT only_hundreds CHECK (id % 100 = 0))",
+        )
+        .await;
+    start_two_workers(&mut cluster).await;
+    let status = cluster
+        .wait_for("the task paused", Duration::from_secs(60), |t| {
+            !t.paused_reason.is_empty()
+        })
+        .await;
+    let reason = &status.paused_reason;
+    eprintln!("paused: {reason}");
+    for part in [
+        "target rejects rows",
+        "max_dead_letter_ratio",
+        "only_hundreds",
+        "tasks resume items",
+    ] {
+        assert!(reason.contains(part), "{part:?} not in {reason:?}");
+    }
+    let landed: Vec<i64> = sqlx::query_scalar("SELECT id FROM items ORDER BY id LIMIT 20")
+        .fetch_all(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        landed,
+        Vec::<i64>::new(),
+        "no row of a rejected batch reached the target"
+    );
+    assert_eq!(
+        letters(&cluster.target).await,
+        BTreeMap::new(),
+        "no row was dead-lettered"
+    );
+
+    cluster
+        .target
+        .exec("ALTER TABLE items DROP CONSTRAINT only_hundreds")
+        .await;
+    let resumed = cluster.cli_json(&["tasks", "resume", "items"]);
+    assert_eq!(resumed["paused"].as_bool(), Some(false), "{resumed}");
+    cluster
+        .wait_for("the snapshot", Duration::from_secs(120), |t| t.snapshot_complete)
+        .await;
+    cluster
+        .write_and_converge(
+            "UPDATE items SET name = 'after the fix', updated_at = clock_timestamp() WHERE id % 7 = 0",
+            "after the target was fixed and the task resumed",
+        )
+        .await;
+    assert_eq!(letters(&cluster.target).await, BTreeMap::new(), "still no dead letter");
+    assert_eq!(cluster.task_status().await.paused_reason, "");
 }

@@ -214,6 +214,7 @@ async fn commit_with_a_stale_fence_is_refused() {
             epoch: zombie.epoch,
             shard_id: zombie.shard_id,
             fence_token: zombie.fence_token,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -275,6 +276,23 @@ async fn commit_with_a_stale_fence_is_refused() {
         .await
         .unwrap_err();
     assert_eq!(refused_register.code(), tonic::Code::FailedPrecondition);
+    // A zombie's release asking for a pause is a no-op: the shard is not its own any more.
+    client
+        .release_shard(pb::ReleaseShardRequest {
+            worker_id: "zombie".into(),
+            task: "items".into(),
+            epoch: zombie.epoch,
+            shard_id: zombie.shard_id,
+            fence_token: zombie.fence_token,
+            pause_reason: "target rejects rows: a zombie's batch".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        cluster.task_status().await.paused_reason,
+        "",
+        "a stale fence cannot pause the task"
+    );
     assert_eq!(
         checkpoint_row(&cluster, owner.shard_id).await,
         before,
@@ -304,6 +322,63 @@ async fn commit_with_a_stale_fence_is_refused() {
         .await
         .unwrap();
     assert_eq!(count, 0, "empty advances leave no batch history");
+}
+
+/// A worker that stops on a target problem asks for a pause when it releases its shard
+/// (`pause_reason`). The request counts only from the shard's current owner, and only if it
+/// acquired the shard after the task's last resume: a batch that failed before the operator
+/// fixed the target and resumed must not pause the task again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_request_counts_only_from_an_owner_that_acquired_after_the_last_resume() {
+    let mut cluster = Cluster::new("pausereq").await;
+    create_items(&cluster.source, KeyKind::Bigint, 100).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 1,
+            ..TaskSettings::default()
+        })
+        .await;
+    let mut client = worker_client(&cluster).await;
+    let release = |owner: &str, assignment: &pb::ShardAssignment, reason: &str| pb::ReleaseShardRequest {
+        worker_id: owner.into(),
+        task: "items".into(),
+        epoch: assignment.epoch,
+        shard_id: assignment.shard_id,
+        fence_token: assignment.fence_token,
+        pause_reason: reason.into(),
+    };
+    let before_fix = register_and_acquire(&mut client, "before-fix")
+        .await
+        .expect("the shard");
+    // The operator pauses, fixes the target and resumes while the owner still holds the shard.
+    cluster.cli_json(&["tasks", "pause", "items", "--reason", "fixing the target"]);
+    cluster.cli_json(&["tasks", "resume", "items"]);
+    client
+        .release_shard(release(
+            "before-fix",
+            &before_fix,
+            "target rejects rows: before the fix",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        cluster.task_status().await.paused_reason,
+        "",
+        "a failure from before the resume"
+    );
+
+    let after_fix = register_and_acquire(&mut client, "after-fix")
+        .await
+        .expect("the released shard");
+    client
+        .release_shard(release("after-fix", &after_fix, "target rejects rows: after the fix"))
+        .await
+        .unwrap();
+    let reason = cluster.task_status().await.paused_reason;
+    assert!(
+        reason.starts_with("target rejects rows: after the fix") && reason.contains("tasks resume items"),
+        "{reason}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -82,6 +82,8 @@ pub struct BatchToApply<'a> {
     /// The data's COPY format, as the manifest names it.
     pub format: CopyFormat,
     pub overlap: Option<OverlapRegion>,
+    /// The task's `max_dead_letter_ratio` (see [`dead_letters::limit`]).
+    pub max_dead_letter_ratio: f64,
 }
 
 impl BatchToApply<'_> {
@@ -102,6 +104,27 @@ impl BatchToApply<'_> {
 
     fn overlap(&self) -> Option<(i64, i64)> {
         self.overlap.map(|o| (o.floor_micros, o.high_micros))
+    }
+
+    /// Refuses the batch when the target rejected more of its rows than the task allows
+    /// (`rejected` counts target rejections only, not rows the transform refused).
+    fn check_rejected(&self, rows: usize, rejected: usize, first: Option<&DeadLetter>) -> Result<(), WorkerError> {
+        if rejected <= dead_letters::limit(rows, self.max_dead_letter_ratio) {
+            return Ok(());
+        }
+        let first = first
+            .map(|letter| {
+                format!(
+                    "; first: key {}: {}: {}",
+                    letter.key, letter.error.class, letter.error.message
+                )
+            })
+            .unwrap_or_default();
+        Err(WorkerError::TargetRejects(format!(
+            "batch {}: the target rejected more than {} of its {rows} rows (max_dead_letter_ratio){first}",
+            self.manifest.batch_id,
+            dead_letters::limit(rows, self.max_dead_letter_ratio)
+        )))
     }
 
     fn dead_letter(&self, row: &[u8], error: RowError) -> DeadLetter {
@@ -227,7 +250,10 @@ async fn apply_isolating(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Ap
     let rows = batch.rows()?;
     check_count(manifest, rows.len() as u64)?;
     let (letters, late, attempts) = match batch.write {
-        TaskWrite::Upsert => isolate_rows(&mut tx, batch, &rows).await?,
+        TaskWrite::Upsert => {
+            probe_sample(&mut tx, batch, &rows).await?;
+            isolate_rows(&mut tx, batch, &rows).await?
+        }
         TaskWrite::Accumulate { spec, transform } => {
             let summary = AccumulateSql { table: batch.sql, spec };
             isolate_groups(&mut tx, batch, &summary, transform, &rows).await?
@@ -254,6 +280,51 @@ async fn end_savepoint(conn: &mut PgConnection, keep: bool) -> Result<(), sqlx::
             .await?;
     }
     sqlx::query("RELEASE SAVEPOINT tidemark_isolate").execute(conn).await?;
+    Ok(())
+}
+
+/// Before a bisection: writes up to [`dead_letters::SAMPLE_ROWS`] rows spread evenly over the
+/// batch, each alone and always undone. When so many are rejected that a rejected share within
+/// `max_dead_letter_ratio` is implausible ([`dead_letters::decisive_rejections`]), the batch is
+/// refused as a target problem at once, instead of after isolating every rejected row. Stops
+/// as soon as the sample can no longer reach that count.
+async fn probe_sample(conn: &mut PgConnection, batch: &BatchToApply<'_>, rows: &[&[u8]]) -> Result<(), WorkerError> {
+    let limit = dead_letters::limit(rows.len(), batch.max_dead_letter_ratio);
+    if limit >= rows.len() {
+        return Ok(());
+    }
+    let sample = dead_letters::SAMPLE_ROWS.min(rows.len());
+    let needed = dead_letters::decisive_rejections(sample, limit as f64 / rows.len() as f64);
+    let mut rejected: Vec<DeadLetter> = Vec::new();
+    for probe in 0..sample {
+        if rejected.len() + (sample - probe) < needed {
+            return Ok(());
+        }
+        let row = rows[probe * rows.len() / sample];
+        savepoint(conn).await?;
+        let written = write::upsert_rows(conn, batch.sql, batch.layout(), &batch.format.join([row]), None).await;
+        end_savepoint(conn, false).await?;
+        if let Err(error) = written {
+            let Some(row_error) = dead_letters::as_row_error(&error) else {
+                return Err(error.into());
+            };
+            rejected.push(batch.dead_letter(row, row_error));
+        }
+        if rejected.len() >= needed {
+            let first = &rejected[0];
+            return Err(WorkerError::TargetRejects(format!(
+                "batch {}: the target rejected {} of {} rows sampled from its {}: more than the {limit} that \
+                 max_dead_letter_ratio allows would go to the dead letters; first: key {}: {}: {}",
+                batch.manifest.batch_id,
+                rejected.len(),
+                probe + 1,
+                rows.len(),
+                first.key,
+                first.error.class,
+                first.error.message
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -289,6 +360,8 @@ async fn isolate_rows(
                 end_savepoint(conn, false).await?;
                 if hi - lo == 1 {
                     letters.push(batch.dead_letter(rows[lo], row_error));
+                    // Stop as soon as the target is at fault, not after bisecting every row.
+                    batch.check_rejected(rows.len(), letters.len(), letters.first())?;
                 } else {
                     let mid = lo + (hi - lo) / 2;
                     pending.push((mid, hi));
@@ -308,6 +381,7 @@ async fn isolate_groups(
     rows: &[&[u8]],
 ) -> Result<Isolated, WorkerError> {
     let (mut candidates, mut letters) = transform_rows(batch, transform, rows.iter().copied());
+    let refused_by_transform = letters.len();
     let mut attempts = 0u64;
     loop {
         let mut deltas = Deltas::default();
@@ -366,6 +440,8 @@ async fn isolate_groups(
             None => true,
         });
         debug_assert!(candidates.len() < before);
+        let rejected = &letters[refused_by_transform..];
+        batch.check_rejected(rows.len(), rejected.len(), rejected.first())?;
     }
 }
 

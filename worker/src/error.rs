@@ -28,6 +28,11 @@ pub enum WorkerError {
     /// and the coordinator pauses the task (`schema changed … reinitialization required`).
     #[error("schema changed: {0}")]
     SchemaChanged(String),
+    /// The target rejected more of a batch's rows than `max_dead_letter_ratio` allows: a target
+    /// problem, not bad rows. Nothing of the batch is written; the shard is released with a
+    /// request to pause the task (`target rejects rows`).
+    #[error("target rejects rows: {0}")]
+    TargetRejects(String),
 }
 
 impl From<tonic::Status> for WorkerError {

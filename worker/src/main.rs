@@ -275,6 +275,7 @@ async fn spawn_shard(
         epoch: assignment.epoch,
         shard_id: assignment.shard_id,
         fence_token: assignment.fence_token,
+        pause_reason: String::new(),
     };
     let prepared = match assignment.task.as_ref() {
         Some(spec) => match resources.for_task(spec, max_shards).await {
@@ -327,6 +328,10 @@ async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) -> bool {
         Err(error) => {
             tracing::warn!(task = %release.task, shard = release.shard_id, %error, "shard ended with an error; releasing it")
         }
+    }
+    let mut release = release.clone();
+    if let Err(error @ WorkerError::TargetRejects(_)) = &ended.result {
+        release.pause_reason = error.to_string();
     }
     match client.release_shard(release.clone()).await {
         Ok(()) => true,

@@ -486,6 +486,7 @@ impl ShardRun {
             manifest,
             data,
             overlap,
+            max_dead_letter_ratio: self.task.max_dead_letter_ratio,
         })
     }
 
