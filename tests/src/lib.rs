@@ -104,12 +104,27 @@ pub struct Etcd {
 }
 
 impl Etcd {
+    /// Starts etcd on two free ports. Another process may take a port between `free_port` and
+    /// etcd's bind; etcd then exits, and it is started again on new ports (three tries). Ready
+    /// means its own log says it serves the client port and the port accepts connections.
     pub fn start() -> Etcd {
+        let mut last_log = String::new();
+        for _ in 0..3 {
+            match Etcd::try_start() {
+                Ok(etcd) => return etcd,
+                Err(log) => last_log = log,
+            }
+        }
+        panic!("etcd did not start in three tries; its last log:\n{last_log}");
+    }
+
+    fn try_start() -> Result<Etcd, String> {
         let dir = TempDir::new("etcd");
         let client = free_port();
         let peer = free_port();
-        let log = std::fs::File::create(dir.0.join("etcd.log")).unwrap();
-        let child = Command::new("etcd")
+        let log_path = dir.0.join("etcd.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let mut child = Command::new("etcd")
             .args(["--name", "t", "--data-dir"])
             .arg(dir.0.join("data"))
             .args(["--listen-client-urls", &format!("http://127.0.0.1:{client}")])
@@ -123,15 +138,31 @@ impl Etcd {
             .expect("etcd must be installed (scripts/setup.sh installs it)");
         let endpoint = format!("http://127.0.0.1:{client}");
         let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
-            assert!(Instant::now() < deadline, "etcd did not listen on {endpoint}");
+        // Our own etcd's log must say it serves the port: a listener there could belong to
+        // another test's etcd that took the port first.
+        let serving = format!("serving insecure client requests on 127.0.0.1:{client},");
+        let ours = || std::fs::read_to_string(&log_path).is_ok_and(|log| log.contains(&serving));
+        while !ours() || std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+            let exited = child.try_wait().ok().flatten();
+            if exited.is_some() || Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                return Err(format!(
+                    "etcd on {endpoint} (peer port {peer}) {}:\n{}",
+                    exited.map_or("did not listen within 20 s".to_string(), |s| format!("exited ({s})")),
+                    tail.join("\n")
+                ));
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Etcd {
+        Ok(Etcd {
             endpoint,
             child,
             _dir: dir,
-        }
+        })
     }
 }
 

@@ -344,26 +344,33 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
     assert!(abandoned >= 1, "the mismatched binary batches were abandoned");
 }
 
-/// A target problem is not bad rows. With a CHECK constraint that 99 rows in 100 violate,
-/// no batch is dead-lettered (more than `max_dead_letter_ratio`, 0.5 by default, of it would
-/// be): the task pauses with `target rejects rows`, naming the constraint, and nothing of the
-/// rejected batches reaches the target. Once the operator drops the constraint and resumes,
-/// the registered batches are replayed, every key equals the source, and no row was ever
-/// dead-lettered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_target_rejecting_most_rows_pauses_the_task_instead_of_dead_lettering_them() {
-    let mut cluster = Cluster::new("rejects").await;
+/// A target problem is not bad rows. With a CHECK constraint that most rows violate, no batch
+/// is dead-lettered (more than `max_dead_letter_ratio`, 0.5 by default, of it would be): the
+/// task pauses with `target rejects rows`, naming the constraint, and nothing of the rejected
+/// batches reaches the target. Once the operator drops the constraint and resumes, the
+/// registered batches are replayed, every key equals the source, and no row was ever
+/// dead-lettered. `how` is the part of the reason that shows which check found it.
+async fn target_rejecting_most_rows_pauses_the_task(tag: &str, check: &str, page_size: u32, how: &str) {
+    let mut cluster = Cluster::new(tag).await;
     create_items(&cluster.source, KeyKind::Bigint, 8_000).await;
     cluster
         .target
-        .exec(
+        .exec(&format!(
             "CREATE TABLE items (id bigint PRIMARY KEY, seq bigint NOT NULL UNIQUE, name text NOT NULL,
                 qty integer, price numeric(12,2), payload jsonb, note text,
                 updated_at timestamptz(3) NOT NULL, _tidemark_version bigint NOT NULL,
-                CONSTRAINT only_hundreds CHECK (id % 100 = 0))",
-        )
+                CONSTRAINT most_rows_fail CHECK ({check}))"
+        ))
         .await;
-    start_two_workers(&mut cluster).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 4,
+            page_size,
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 4, &[]);
+    cluster.spawn_worker("b", 4, &[]);
     let status = cluster
         .wait_for("the task paused", Duration::from_secs(60), |t| {
             !t.paused_reason.is_empty()
@@ -373,21 +380,22 @@ async fn a_target_rejecting_most_rows_pauses_the_task_instead_of_dead_lettering_
     eprintln!("paused: {reason}");
     for part in [
         "target rejects rows",
+        how,
         "max_dead_letter_ratio",
-        "only_hundreds",
+        "most_rows_fail",
         "tasks resume items",
     ] {
         assert!(reason.contains(part), "{part:?} not in {reason:?}");
     }
-    let landed: Vec<i64> = sqlx::query_scalar("SELECT id FROM items ORDER BY id LIMIT 20")
-        .fetch_all(&cluster.target.pool)
-        .await
-        .unwrap();
-    assert_eq!(
-        landed,
-        Vec::<i64>::new(),
-        "no row of a rejected batch reached the target"
-    );
+    // Some rows pass the check: those of a batch the target did not refuse may have landed;
+    // a rejected one never does.
+    let rejected_landed: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM items WHERE NOT ({check}) ORDER BY id LIMIT 20"
+    )))
+    .fetch_all(&cluster.target.pool)
+    .await
+    .unwrap();
+    assert_eq!(rejected_landed, Vec::<i64>::new(), "no rejected row in the target");
     assert_eq!(
         letters(&cluster.target).await,
         BTreeMap::new(),
@@ -396,7 +404,7 @@ async fn a_target_rejecting_most_rows_pauses_the_task_instead_of_dead_lettering_
 
     cluster
         .target
-        .exec("ALTER TABLE items DROP CONSTRAINT only_hundreds")
+        .exec("ALTER TABLE items DROP CONSTRAINT most_rows_fail")
         .await;
     let resumed = cluster.cli_json(&["tasks", "resume", "items"]);
     assert_eq!(resumed["paused"].as_bool(), Some(false), "{resumed}");
@@ -411,4 +419,17 @@ async fn a_target_rejecting_most_rows_pauses_the_task_instead_of_dead_lettering_
         .await;
     assert_eq!(letters(&cluster.target).await, BTreeMap::new(), "still no dead letter");
     assert_eq!(cluster.task_status().await.paused_reason, "");
+}
+
+/// 99 rows in 100 rejected: the sample of 32 rows decides before any bisection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_rejecting_nearly_every_row_is_caught_by_the_sample() {
+    target_rejecting_most_rows_pauses_the_task("rejects_all", "id % 100 = 0", 1000, "rows sampled from its 1000").await;
+}
+
+/// 60 rows in 100 rejected: the sample (about 19 of 32) cannot decide; the bisection counts
+/// and stops once its letters pass half of the 100-row batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_rejecting_sixty_percent_is_caught_by_the_bisection_count() {
+    target_rejecting_most_rows_pauses_the_task("rejects_most", "id % 5 < 2", 100, "more than 50 of its 100 rows").await;
 }
