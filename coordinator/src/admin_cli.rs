@@ -460,6 +460,28 @@ pub async fn dead_letters_retry(addresses: &str, task: String, keys: Vec<String>
     Ok(())
 }
 
+/// `dead-letters purge`: deletes RESOLVED letters resolved longer ago than `older_than`.
+pub async fn dead_letters_purge(addresses: &str, task: String, older_than: String, json: bool) -> anyhow::Result<()> {
+    let age = tidemark_common::duration::parse_duration(&older_than).map_err(|e| anyhow!("--older-than: {e}"))?;
+    let request = pb::PurgeDeadLettersRequest {
+        task: task.clone(),
+        older_than_ms: age.as_millis() as u64,
+    };
+    let result = admin(addresses, |mut c| {
+        let request = request.clone();
+        async move { c.purge_dead_letters(request).await }
+    })
+    .await?;
+    report(
+        json,
+        json!({ "task": task, "purged": result.purged }),
+        format!(
+            "{} RESOLVED dead letters of task {task} resolved over {older_than} ago purged",
+            result.purged
+        ),
+    )
+}
+
 /// `dead-letters resolve`: marks letters RESOLVED by hand.
 pub async fn dead_letters_resolve(
     addresses: &str,

@@ -286,6 +286,22 @@ async fn retry_one(
     Ok(true)
 }
 
+/// Deletes the task's RESOLVED letters resolved at least `older_than` ago (by the target's
+/// clock). Letters in any other status are never purged: they are rows not yet in the target.
+pub async fn purge(target: &PgPool, task: &str, older_than: std::time::Duration) -> Result<u64, CoordinatorError> {
+    let purged = sqlx::query(
+        "DELETE FROM tidemark_dead_letters WHERE task = $1 AND status = 'RESOLVED' \
+         AND updated_at <= now() - make_interval(secs => $2)",
+    )
+    .bind(task)
+    .bind(older_than.as_secs_f64())
+    .execute(target)
+    .await
+    .map_err(target_error)?
+    .rows_affected();
+    Ok(purged)
+}
+
 /// Marks letters RESOLVED by hand: the given keys (unless PROCESSING), or every FAILED one.
 pub async fn resolve(target: &PgPool, task: &str, keys: &[String], all_failed: bool) -> Result<u64, CoordinatorError> {
     if keys.is_empty() && !all_failed {

@@ -246,6 +246,18 @@ enum DeadLetterAction {
         #[arg(long)]
         json: bool,
     },
+    /// Delete RESOLVED letters resolved longer ago than `--older-than` (e.g. `30d`). Letters
+    /// in any other status are kept: their rows are not in the target.
+    Purge {
+        #[arg(long)]
+        task: String,
+        #[arg(long)]
+        older_than: String,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
     /// Mark letters RESOLVED by hand (you dealt with them).
     Resolve {
         #[arg(long)]
@@ -411,6 +423,12 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 target,
                 json,
             } => admin_cli::dead_letters_resolve(&target.coordinator, task, keys, all_failed, json).await,
+            DeadLetterAction::Purge {
+                task,
+                older_than,
+                target,
+                json,
+            } => admin_cli::dead_letters_purge(&target.coordinator, task, older_than, json).await,
         },
         Command::Source {
             action: SourceAction::Install { task, config },

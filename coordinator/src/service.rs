@@ -829,6 +829,17 @@ impl AdminService for CoordinatorService {
         Ok(Response::new(pb::ResolveDeadLettersResponse { resolved }))
     }
 
+    async fn purge_dead_letters(
+        &self,
+        request: Request<pb::PurgeDeadLettersRequest>,
+    ) -> Result<Response<pb::PurgeDeadLettersResponse>, Status> {
+        let request = request.into_inner();
+        let older_than = std::time::Duration::from_millis(request.older_than_ms);
+        let purged = crate::dead_letters::purge(self.target(&request.task)?, &request.task, older_than).await?;
+        tracing::info!(task = %request.task, purged, "resolved dead letters purged by the operator");
+        Ok(Response::new(pb::PurgeDeadLettersResponse { purged }))
+    }
+
     async fn resume_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::TaskResponse>, Status> {
         self.inner.leadership.require().await?;
         let request = request.into_inner();

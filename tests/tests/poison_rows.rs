@@ -199,6 +199,35 @@ async fn poison_rows_go_to_dead_letters_and_the_rest_converges() {
             "key {key}"
         );
     }
+
+    // Purging: letters resolved less than an hour ago stay; with no minimum age exactly the
+    // RESOLVED ones go, and every INIT letter (a row not yet in the target) stays.
+    let purged = cluster.cli_json(&["dead-letters", "purge", "--task", "items", "--older-than", "1h"]);
+    assert_eq!(purged["purged"].as_u64(), Some(0), "{purged}");
+    assert_eq!(letters(&cluster.target).await, found);
+    let purged = cluster.cli_json(&["dead-letters", "purge", "--task", "items", "--older-than", "0s"]);
+    assert_eq!(purged["purged"].as_u64(), Some(oversize.len() as u64), "{purged}");
+    let kept: BTreeMap<String, (String, String)> =
+        found.into_iter().filter(|(key, _)| !oversize.contains(&key)).collect();
+    assert_eq!(
+        letters(&cluster.target).await,
+        kept,
+        "only the RESOLVED letters were purged"
+    );
+    let (ok, _, stderr) = cluster.cli(&[
+        "dead-letters",
+        "purge",
+        "--task",
+        "items",
+        "--older-than",
+        "30",
+        "--coordinator",
+        &cluster.address,
+    ]);
+    assert!(
+        !ok && stderr.contains("--older-than") && stderr.contains("no unit"),
+        "{stderr}"
+    );
 }
 
 /// id → class of the rows the target's constraints reject (binary batches).
