@@ -193,29 +193,40 @@ async fn checkpoint_row(cluster: &Cluster, shard_id: u32) -> (serde_json::Value,
     (row.get(0), row.get(1), row.get(2))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn commit_with_a_stale_fence_is_refused() {
-    let mut cluster = Cluster::new("fence").await;
-    create_items(&cluster.source, KeyKind::Bigint, 1000).await;
+/// A one-shard task over `rows` items, no worker running, and a client of the worker API.
+async fn one_shard_task(tag: &str, rows: i64) -> (Cluster, WorkerServiceClient<tonic::transport::Channel>) {
+    let mut cluster = Cluster::new(tag).await;
+    create_items(&cluster.source, KeyKind::Bigint, rows).await;
     cluster
         .start(&TaskSettings {
             shards: 1,
             ..TaskSettings::default()
         })
         .await;
-    let mut client = worker_client(&cluster).await;
+    let client = worker_client(&cluster).await;
+    (cluster, client)
+}
+
+/// `owner` releases the shard of `assignment`, asking for a pause when `pause_reason` is set.
+fn release_request(owner: &str, assignment: &pb::ShardAssignment, pause_reason: &str) -> pb::ReleaseShardRequest {
+    pb::ReleaseShardRequest {
+        worker_id: owner.into(),
+        task: "items".into(),
+        epoch: assignment.epoch,
+        shard_id: assignment.shard_id,
+        fence_token: assignment.fence_token,
+        pause_reason: pause_reason.into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_with_a_stale_fence_is_refused() {
+    let (cluster, mut client) = one_shard_task("fence", 1000).await;
 
     // A first owner takes the shard, then loses it to a second owner.
     let zombie = register_and_acquire(&mut client, "zombie").await.expect("a free shard");
     client
-        .release_shard(pb::ReleaseShardRequest {
-            worker_id: "zombie".into(),
-            task: "items".into(),
-            epoch: zombie.epoch,
-            shard_id: zombie.shard_id,
-            fence_token: zombie.fence_token,
-            ..Default::default()
-        })
+        .release_shard(release_request("zombie", &zombie, ""))
         .await
         .unwrap();
     let owner = register_and_acquire(&mut client, "owner")
@@ -278,14 +289,11 @@ async fn commit_with_a_stale_fence_is_refused() {
     assert_eq!(refused_register.code(), tonic::Code::FailedPrecondition);
     // A zombie's release asking for a pause is a no-op: the shard is not its own any more.
     client
-        .release_shard(pb::ReleaseShardRequest {
-            worker_id: "zombie".into(),
-            task: "items".into(),
-            epoch: zombie.epoch,
-            shard_id: zombie.shard_id,
-            fence_token: zombie.fence_token,
-            pause_reason: "target rejects rows: a zombie's batch".into(),
-        })
+        .release_shard(release_request(
+            "zombie",
+            &zombie,
+            "target rejects rows: a zombie's batch",
+        ))
         .await
         .unwrap();
     assert_eq!(
@@ -330,23 +338,7 @@ async fn commit_with_a_stale_fence_is_refused() {
 /// fixed the target and resumed must not pause the task again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pause_request_counts_only_from_an_owner_that_acquired_after_the_last_resume() {
-    let mut cluster = Cluster::new("pausereq").await;
-    create_items(&cluster.source, KeyKind::Bigint, 100).await;
-    cluster
-        .start(&TaskSettings {
-            shards: 1,
-            ..TaskSettings::default()
-        })
-        .await;
-    let mut client = worker_client(&cluster).await;
-    let release = |owner: &str, assignment: &pb::ShardAssignment, reason: &str| pb::ReleaseShardRequest {
-        worker_id: owner.into(),
-        task: "items".into(),
-        epoch: assignment.epoch,
-        shard_id: assignment.shard_id,
-        fence_token: assignment.fence_token,
-        pause_reason: reason.into(),
-    };
+    let (cluster, mut client) = one_shard_task("pausereq", 100).await;
     let before_fix = register_and_acquire(&mut client, "before-fix")
         .await
         .expect("the shard");
@@ -354,7 +346,7 @@ async fn a_pause_request_counts_only_from_an_owner_that_acquired_after_the_last_
     cluster.cli_json(&["tasks", "pause", "items", "--reason", "fixing the target"]);
     cluster.cli_json(&["tasks", "resume", "items"]);
     client
-        .release_shard(release(
+        .release_shard(release_request(
             "before-fix",
             &before_fix,
             "target rejects rows: before the fix",
@@ -371,7 +363,11 @@ async fn a_pause_request_counts_only_from_an_owner_that_acquired_after_the_last_
         .await
         .expect("the released shard");
     client
-        .release_shard(release("after-fix", &after_fix, "target rejects rows: after the fix"))
+        .release_shard(release_request(
+            "after-fix",
+            &after_fix,
+            "target rejects rows: after the fix",
+        ))
         .await
         .unwrap();
     let reason = cluster.task_status().await.paused_reason;
