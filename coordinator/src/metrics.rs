@@ -24,6 +24,7 @@ pub struct CoordinatorMetrics {
     pub reconcile_keys_repaired: CounterFamily,
     pub watermark_lag: GaugeFamily,
     pub late_rows: GaugeFamily,
+    pub task_paused: GaugeFamily,
     pub leader: Gauge,
 }
 
@@ -39,6 +40,7 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     reconcile_keys_repaired: CounterFamily::default(),
     watermark_lag: GaugeFamily::default(),
     late_rows: GaugeFamily::default(),
+    task_paused: GaugeFamily::default(),
     leader: Gauge::default(),
 });
 
@@ -101,6 +103,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         m.late_rows.clone(),
     );
     r.register(
+        "tidemark_task_paused",
+        "1 while the task is paused (the reason is in `status`), else 0",
+        m.task_paused.clone(),
+    );
+    r.register(
         "tidemark_leader",
         "1 while this replica is the leader",
         m.leader.clone(),
@@ -123,6 +130,10 @@ pub async fn refresh_gauges(control: ControlDb, leadership: Leadership) {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as i64);
         for task in tasks {
+            METRICS
+                .task_paused
+                .get_or_create(&labels(&[("task", &task.name)]))
+                .set(if task.paused_reason.is_some() { 1.0 } else { 0.0 });
             for shard in &task.shards {
                 if let Some(watermark) = shard.cursor.incremental_time() {
                     let shard_id = shard.shard_id.to_string();

@@ -143,6 +143,11 @@ async fn metrics_agree_with_the_ledger() {
     assert!(ledger >= 22_000, "{ledger}");
     let applied = sample(&metrics, "tidemark_rows_applied_total", "task=\"items\"").expect("rows applied");
     assert_eq!(applied as i64, ledger, "rows applied = the ledger's sum\n{metrics}");
+    assert_eq!(
+        sample(&metrics, "tidemark_task_paused", "task=\"items\""),
+        Some(0.0),
+        "a running task is not paused\n{metrics}"
+    );
     for name in [
         "tidemark_batches_total",
         "tidemark_leases_acquired_total",

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use sqlx::Row;
-use tidemark_tests::{Cluster, KeyKind, TaskSettings, TestDb, create_items};
+use tidemark_tests::otlp::{sample, scrape};
+use tidemark_tests::{Cluster, KeyKind, TaskSettings, TestDb, create_items, free_port};
 
 /// Id → the class its poison should be dead-lettered with.
 fn poison() -> BTreeMap<String, &'static str> {
@@ -391,10 +392,12 @@ async fn target_rejecting_most_rows_pauses_the_task(tag: &str, check: &str, page
                 CONSTRAINT most_rows_fail CHECK ({check}))"
         ))
         .await;
+    let metrics = format!("127.0.0.1:{}", free_port());
     cluster
         .start(&TaskSettings {
             shards: 4,
             page_size,
+            coordinator_extra: format!("metrics_listen = \"{metrics}\""),
             ..TaskSettings::default()
         })
         .await;
@@ -430,6 +433,7 @@ async fn target_rejecting_most_rows_pauses_the_task(tag: &str, check: &str, page
         BTreeMap::new(),
         "no row was dead-lettered"
     );
+    paused_gauge_reaches(&metrics, 1.0).await;
 
     cluster
         .target
@@ -448,6 +452,25 @@ async fn target_rejecting_most_rows_pauses_the_task(tag: &str, check: &str, page
         .await;
     assert_eq!(letters(&cluster.target).await, BTreeMap::new(), "still no dead letter");
     assert_eq!(cluster.task_status().await.paused_reason, "");
+    paused_gauge_reaches(&metrics, 0.0).await;
+}
+
+/// Waits (the coordinator refreshes its gauges every 2 s) until `tidemark_task_paused` of
+/// the task is `value`.
+async fn paused_gauge_reaches(metrics: &str, value: f64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let text = scrape(metrics).await;
+        let paused = sample(&text, "tidemark_task_paused", "task=\"items\"");
+        if paused == Some(value) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "tidemark_task_paused is {paused:?}, not {value}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// 99 rows in 100 rejected: the sample of 32 rows decides before any bisection.
