@@ -158,19 +158,11 @@ fn report(json: bool, value: serde_json::Value, line: String) -> anyhow::Result<
     Ok(())
 }
 
-pub async fn task_change(
-    addresses: &str,
-    task: String,
-    action: &str,
-    reason: String,
-    json: bool,
-) -> anyhow::Result<()> {
+/// `tasks pause|resume|reinit`: `action` names the call, `request` carries its arguments.
+pub async fn task_change(addresses: &str, action: &str, request: pb::TaskRequest, json: bool) -> anyhow::Result<()> {
+    let task = request.task.clone();
     match action {
         "pause" => {
-            let request = pb::TaskRequest {
-                task: task.clone(),
-                reason: reason.clone(),
-            };
             admin(addresses, |mut c| {
                 let request = request.clone();
                 async move { c.pause_task(request).await }
@@ -178,15 +170,11 @@ pub async fn task_change(
             .await?;
             report(
                 json,
-                json!({ "task": task, "paused": true, "reason": reason }),
+                json!({ "task": task, "paused": true, "reason": request.reason }),
                 format!("task {task} paused"),
             )?;
         }
         "resume" => {
-            let request = pb::TaskRequest {
-                task: task.clone(),
-                reason,
-            };
             admin(addresses, |mut c| {
                 let request = request.clone();
                 async move { c.resume_task(request).await }
@@ -199,22 +187,30 @@ pub async fn task_change(
             )?;
         }
         _ => {
-            let request = pb::TaskRequest {
-                task: task.clone(),
-                reason,
-            };
             let response = admin(addresses, |mut c| {
                 let request = request.clone();
                 async move { c.reinit_task(request).await }
             })
             .await?;
+            let mut line = format!(
+                "task {task} reinitialized: epoch {} snapshots the table again; reconciliation run {} removes keys deleted meanwhile",
+                response.epoch, response.reconcile_run_id
+            );
+            for change in &response.target_changes {
+                line.push_str(&format!("\ntarget changed: {change}"));
+            }
+            for difference in &response.target_differences {
+                line.push_str(&format!(
+                    "\nnote: target {difference} (left as it is; `--alter-target` converts it)"
+                ));
+            }
             report(
                 json,
-                json!({ "task": task, "epoch": response.epoch, "reconcile_run_id": response.reconcile_run_id }),
-                format!(
-                    "task {task} reinitialized: epoch {} snapshots the table again; reconciliation run {} removes keys deleted meanwhile",
-                    response.epoch, response.reconcile_run_id
-                ),
+                json!({
+                    "task": task, "epoch": response.epoch, "reconcile_run_id": response.reconcile_run_id,
+                    "target_changes": response.target_changes, "target_differences": response.target_differences,
+                }),
+                line,
             )?;
         }
     }

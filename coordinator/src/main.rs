@@ -140,6 +140,10 @@ enum TaskAction {
     /// task that needs reinitialization.
     Reinit {
         task: String,
+        /// First change the target table to the source's columns: add missing ones, convert
+        /// those whose type differs (`ALTER TABLE … USING column::type`), in one transaction.
+        #[arg(long)]
+        alter_target: bool,
         #[command(flatten)]
         target: Target,
         #[arg(long)]
@@ -342,12 +346,33 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 target,
                 reason,
                 json,
-            } => admin_cli::task_change(&target.coordinator, task, "pause", reason, json).await,
-            TaskAction::Resume { task, target, json } => {
-                admin_cli::task_change(&target.coordinator, task, "resume", String::new(), json).await
+            } => {
+                let request = pb::TaskRequest {
+                    task,
+                    reason,
+                    ..Default::default()
+                };
+                admin_cli::task_change(&target.coordinator, "pause", request, json).await
             }
-            TaskAction::Reinit { task, target, json } => {
-                admin_cli::task_change(&target.coordinator, task, "reinit", String::new(), json).await
+            TaskAction::Resume { task, target, json } => {
+                let request = pb::TaskRequest {
+                    task,
+                    ..Default::default()
+                };
+                admin_cli::task_change(&target.coordinator, "resume", request, json).await
+            }
+            TaskAction::Reinit {
+                task,
+                alter_target,
+                target,
+                json,
+            } => {
+                let request = pb::TaskRequest {
+                    task,
+                    alter_target,
+                    ..Default::default()
+                };
+                admin_cli::task_change(&target.coordinator, "reinit", request, json).await
             }
         },
         Command::Shards { action } => match action {

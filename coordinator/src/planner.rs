@@ -295,7 +295,8 @@ async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorEr
             .map_err(|e| setup(format!("source table {log}: {e}")))?;
         if exists.is_none() {
             return Err(setup(format!(
-                "delete_policy tombstone_table: the delete log {log} does not exist; run                  `tidemark-coordinator source install --task {task}` first"
+                "delete_policy tombstone_table: the delete log {log} does not exist; run \
+                 `tidemark-coordinator source install --task {task}` first"
             )));
         }
     }
@@ -470,10 +471,65 @@ pub fn epoch_columns(task: &str, epoch: &EpochRecord) -> Result<Vec<Column>, Coo
         .collect())
 }
 
+/// One way an existing target table differs from the source's columns, and the statement
+/// that removes the difference.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TargetChange {
+    pub(crate) difference: String,
+    pub(crate) statement: String,
+}
+
+/// How the target table must change to hold the source's columns as the source types them:
+/// a missing column is added (nullable: the new epoch's snapshot fills it), a column of
+/// another type is converted (`USING column::type`). Columns only the target has stay.
+pub(crate) fn target_changes(table: &TableName, source: &[Column], target: &[Column]) -> Vec<TargetChange> {
+    source
+        .iter()
+        .filter_map(|column| {
+            let quoted = pg::quote_ident(&column.name);
+            match target.iter().find(|t| t.name == column.name) {
+                None => Some(TargetChange {
+                    difference: format!(
+                        "column {:?} is missing (the source's is {})",
+                        column.name, column.sql_type
+                    ),
+                    statement: format!("ALTER TABLE {} ADD COLUMN {quoted} {}", table.quoted(), column.sql_type),
+                }),
+                Some(existing) if existing.sql_type != column.sql_type => Some(TargetChange {
+                    difference: format!(
+                        "column {:?} is {} where the source's is {}",
+                        column.name, existing.sql_type, column.sql_type
+                    ),
+                    statement: format!(
+                        "ALTER TABLE {} ALTER COLUMN {quoted} TYPE {} USING {quoted}::{}",
+                        table.quoted(),
+                        column.sql_type,
+                        column.sql_type
+                    ),
+                }),
+                Some(_) => None,
+            }
+        })
+        .collect()
+}
+
+/// What `tasks reinit` did.
+pub struct Reinit {
+    pub epoch: u64,
+    /// Statements that changed the target table (`alter_target`).
+    pub target_changes: Vec<String>,
+    /// Differences left in the target table (without `alter_target`).
+    pub target_differences: Vec<String>,
+}
+
 /// `tasks reinit`: plans the next epoch from the source as it is now (a fresh snapshot, start
-/// bound H0 read now), checks the target against it, and switches the task to it. Returns
-/// the new epoch.
-pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<u64, CoordinatorError> {
+/// bound H0 read now), checks the target against it (with `alter_target`, first changes it
+/// to hold the source's columns), and switches the task to it.
+pub async fn reinit_task(
+    control: &ControlDb,
+    config: &TaskConfig,
+    alter_target: bool,
+) -> Result<Reinit, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
     let current = control
@@ -496,6 +552,45 @@ pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<u64
         filter: config.filter.clone(),
         page_format: CopyFormat::Text,
     };
+    let mut reinit = Reinit {
+        epoch: plan.epoch,
+        target_changes: Vec::new(),
+        target_differences: Vec::new(),
+    };
+    // An accumulate task's target is its summary table, not a copy of the source's columns.
+    if config.accumulate_spec().map_err(&setup)?.is_none()
+        && let Some(existing) = introspect(&target, task, "target", &sql.target).await?
+    {
+        let existing: Vec<Column> = existing.into_iter().map(|c| c.column).collect();
+        let changes = target_changes(&sql.target, &sql.columns, &existing);
+        if alter_target && !changes.is_empty() {
+            let altering = |e: sqlx::Error| setup(format!("altering target table {}: {e}", sql.target));
+            let mut tx = target.begin().await.map_err(altering)?;
+            for change in &changes {
+                sqlx::query(sqlx::AssertSqlSafe(change.statement.clone()))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| setup(format!("{}: {e}", change.statement)))?;
+            }
+            tx.commit().await.map_err(altering)?;
+            tracing::warn!(task, table = %sql.target, changes = changes.len(), "target table altered to the source's columns");
+            reinit.target_changes = changes.into_iter().map(|c| c.statement).collect();
+        } else {
+            let missing: Vec<&str> = changes
+                .iter()
+                .filter(|c| c.statement.contains(" ADD COLUMN "))
+                .map(|c| c.difference.as_str())
+                .collect();
+            if !missing.is_empty() {
+                return Err(setup(format!(
+                    "target table {}: {}; add the columns, or run `tidemark-coordinator tasks reinit {task} --alter-target`",
+                    sql.target,
+                    missing.join("; ")
+                )));
+            }
+            reinit.target_differences = changes.into_iter().map(|c| c.difference).collect();
+        }
+    }
     ensure_target(&target, config, &sql, &not_null).await?;
     target.close().await;
     if !control.switch_epoch(&plan).await? {
@@ -510,7 +605,7 @@ pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<u64
         shards = plan.ranges.len(),
         "task reinitialized: new epoch planned"
     );
-    Ok(plan.epoch)
+    Ok(reinit)
 }
 
 /// H0's time: the source clock, held below the start of the oldest open transaction when the
@@ -696,4 +791,45 @@ async fn ensure_target(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn column(name: &str, sql_type: &str) -> Column {
+        Column {
+            name: name.into(),
+            sql_type: sql_type.into(),
+        }
+    }
+
+    #[test]
+    fn target_changes_add_missing_columns_and_convert_other_types() {
+        let table = TableName::parse("public.items").unwrap();
+        let source = [column("id", "bigint"), column("qty", "bigint"), column("Color", "text")];
+        let target = [
+            column("id", "bigint"),
+            column("qty", "integer"),
+            column("_tidemark_version", "bigint"),
+        ];
+        let changes = target_changes(&table, &source, &target);
+        assert_eq!(
+            changes,
+            vec![
+                TargetChange {
+                    difference: "column \"qty\" is integer where the source's is bigint".into(),
+                    statement: format!(
+                        "ALTER TABLE {} ALTER COLUMN \"qty\" TYPE bigint USING \"qty\"::bigint",
+                        table.quoted()
+                    ),
+                },
+                TargetChange {
+                    difference: "column \"Color\" is missing (the source's is text)".into(),
+                    statement: format!("ALTER TABLE {} ADD COLUMN \"Color\" text", table.quoted()),
+                },
+            ]
+        );
+        assert_eq!(target_changes(&table, &source[..1], &target), vec![], "equal columns");
+    }
 }

@@ -665,7 +665,7 @@ impl AdminService for CoordinatorService {
         self.inner.leadership.require().await?;
         let request = request.into_inner();
         let task = self.task(&request.task)?;
-        let epoch = reinit_task(&self.inner.control, &task.config).await?;
+        let reinit = reinit_task(&self.inner.control, &task.config, request.alter_target).await?;
         // The new epoch snapshots every live row; keys deleted meanwhile are only found by
         // comparing, so a full reconciliation follows each shard's snapshot.
         let reconcile_run_id = self
@@ -674,8 +674,10 @@ impl AdminService for CoordinatorService {
             .start_reconcile(&request.task, "reinit", None)
             .await?;
         Ok(Response::new(pb::ReinitResponse {
-            epoch,
+            epoch: reinit.epoch,
             reconcile_run_id,
+            target_changes: reinit.target_changes,
+            target_differences: reinit.target_differences,
         }))
     }
 

@@ -2,7 +2,8 @@
 //! type while the shards run. The workers refuse every page read after the change, so nothing
 //! read under the new type reaches the target, and the coordinator pauses the task with
 //! `schema changed … reinitialization required` (its running check, or its start-up check).
-//! After the operator changes the target column too, `tasks reinit` converges per key.
+//! `tasks reinit --alter-target` converts the target column and adds the new one, and the
+//! new epoch converges per key.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -41,11 +42,13 @@ async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
     // be a dead letter (numeric_value_out_of_range) if the change went unnoticed.
     cluster
         .source
-        .exec("ALTER TABLE items ALTER COLUMN qty TYPE bigint")
+        .exec("ALTER TABLE items ALTER COLUMN qty TYPE bigint; ALTER TABLE items ADD COLUMN color text DEFAULT 'red'")
         .await;
     cluster
         .source
-        .exec("UPDATE items SET qty = 5000000000 + id, updated_at = clock_timestamp() WHERE id % 10 = 0")
+        .exec(
+            "UPDATE items SET qty = 5000000000 + id, color = 'blue', updated_at = clock_timestamp() WHERE id % 10 = 0",
+        )
         .await;
     let changed = cluster.source_now_micros().await;
     // The rows are readable once the safety delay has passed; the shards read them and refuse
@@ -88,25 +91,33 @@ async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
     );
     assert_eq!(quantities(&cluster.target).await, before);
 
-    // The operator changes the target column as well, then reinitializes.
-    cluster
-        .target
-        .exec("ALTER TABLE items ALTER COLUMN qty TYPE bigint")
-        .await;
-    // The restarted coordinator leads once the killed one's etcd lease has expired.
+    // The restarted coordinator leads once the killed one's etcd lease has expired. Without
+    // --alter-target, reinit refuses a target that lacks a source column, and names it.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let (ok, stdout, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
-        if ok {
-            assert!(stdout.contains("epoch 2"), "reinit: {stdout}");
+        let (ok, _, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
+        assert!(!ok, "reinit without the new column");
+        if !stderr.contains("not the leader") {
+            assert!(
+                stderr.contains("column \"color\" is missing (the source's is text)")
+                    && stderr.contains("--alter-target"),
+                "reinit: {stderr}"
+            );
             break;
         }
-        assert!(
-            stderr.contains("not the leader") && Instant::now() < deadline,
-            "reinit: {stderr}"
-        );
+        assert!(Instant::now() < deadline, "reinit: {stderr}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let reinit = cluster.cli_json(&["tasks", "reinit", "items", "--alter-target"]);
+    assert_eq!(reinit["epoch"].as_u64(), Some(2), "{reinit}");
+    assert_eq!(
+        reinit["target_changes"],
+        serde_json::json!([
+            "ALTER TABLE \"public\".\"items\" ALTER COLUMN \"qty\" TYPE bigint USING \"qty\"::bigint",
+            "ALTER TABLE \"public\".\"items\" ADD COLUMN \"color\" text",
+        ]),
+        "{reinit}"
+    );
     let now = cluster.source_now_micros().await;
     cluster
         .wait_for("epoch 2 past the change", Duration::from_secs(90), |t| {
@@ -121,4 +132,25 @@ async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
             .all(|(id, qty)| qty.as_deref() == Some((5_000_000_000 + id).to_string().as_str())),
         "the new values arrived"
     );
+    // The added column, per key: 'blue' for the updated rows, the default elsewhere.
+    let colors = |db: &TestDb| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, Option<String>)>("SELECT id, color FROM items")
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect::<BTreeMap<i64, Option<String>>>()
+        }
+    };
+    let (source, target) = (colors(&cluster.source).await, colors(&cluster.target).await);
+    assert_eq!(source.len(), 3_000);
+    assert_eq!(target, source, "the added column holds the source's values");
+    assert_eq!(source.get(&10).cloned().flatten().as_deref(), Some("blue"));
+    let qty_type: String = sqlx::query_scalar("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = 'items'::regclass AND attname = 'qty'")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(qty_type, "bigint");
 }
