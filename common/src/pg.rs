@@ -432,20 +432,42 @@ impl TableSql {
     /// `COPY stage (…) FROM STDIN` for the staged layout (plus the expected version in a
     /// repair batch), in the batch's format.
     pub fn copy_into_stage(&self, repair: bool, target_layout: bool, format: CopyFormat) -> String {
-        let mut columns = if target_layout {
-            self.target_columns()
-        } else {
-            self.staged_columns()
-        };
-        if repair {
-            columns.push(quote_ident(EXPECTED_COLUMN));
-        }
+        let columns: Vec<String> = self
+            .payload_columns(repair, target_layout)
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
         format!(
             "COPY {} ({}) FROM STDIN{}",
             self.stage_table(),
             columns.join(", "),
             format.copy_option()
         )
+    }
+
+    /// The fields of a staged row in the given layout, in order, each quoted with the SQL type
+    /// it was read as: the source columns, the version, then (staged layout) the cursor time
+    /// and the delete flag, then (repair) the expected target version.
+    pub fn payload_columns(&self, repair: bool, target_layout: bool) -> Vec<(String, String)> {
+        let bigint = || "bigint".to_string();
+        let mut columns: Vec<(String, String)> = self
+            .columns
+            .iter()
+            .map(|c| (quote_ident(&c.name), c.sql_type.clone()))
+            .collect();
+        columns.push((quote_ident(VERSION_COLUMN), bigint()));
+        if !target_layout {
+            if self.cursor_column.is_some() {
+                columns.push((quote_ident(CURSOR_MICROS_COLUMN), bigint()));
+            }
+            if self.deletes.is_some() {
+                columns.push((quote_ident(DELETED_COLUMN), "boolean".into()));
+            }
+        }
+        if repair {
+            columns.push((quote_ident(EXPECTED_COLUMN), bigint()));
+        }
+        columns
     }
 
     /// `COPY target (…) FROM STDIN` for a batch in the target's layout whose keys the target

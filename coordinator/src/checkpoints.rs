@@ -9,7 +9,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Acquire, Row};
 use tidemark_common::cursor::Cursor;
-use tidemark_common::pg::{connect_options, quote_ident};
+use tidemark_common::pg::{Column, connect_options, quote_ident};
 
 use crate::error::{CoordinatorError, display_url};
 
@@ -780,6 +780,29 @@ impl ControlDb {
         .await?
         .rows_affected();
         Ok(paused == 1)
+    }
+
+    /// The source columns (and their types) of the epoch a batch was read in; `None` for a
+    /// batch the control database does not know.
+    pub async fn batch_columns(&self, batch_id: &str) -> Result<Option<Vec<Column>>, CoordinatorError> {
+        let columns: Option<serde_json::Value> = sqlx::query_scalar(
+            "SELECT e.columns FROM batches b JOIN epochs e ON e.task = b.task AND e.epoch = b.epoch WHERE b.batch_id = $1",
+        )
+        .bind(batch_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        columns
+            .map(|value| {
+                serde_json::from_value::<Vec<(String, String)>>(value)
+                    .map(|columns| {
+                        columns
+                            .into_iter()
+                            .map(|(name, sql_type)| Column { name, sql_type })
+                            .collect()
+                    })
+                    .map_err(|e| CoordinatorError::InvalidRequest(format!("stored columns of batch {batch_id}: {e}")))
+            })
+            .transpose()
     }
 
     pub async fn release(&self, shard: &ShardKey, fence: u64, owner: &str) -> Result<(), CoordinatorError> {

@@ -10,16 +10,18 @@
 
 use std::collections::BTreeMap;
 
+use futures::TryStreamExt;
 use sqlx::Row;
 use sqlx::postgres::PgPool;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::dead_letters::{self, Layout, STALE_CLAIM_SECS};
-use tidemark_common::pg::TableSql;
 use tidemark_common::pg::accumulate::AccumulateSql;
+use tidemark_common::pg::{Column, TableSql};
 use tidemark_common::transform::{Deltas, RowError, RowTransform};
 use tidemark_common::write;
 use tidemark_proto::v1 as pb;
 
+use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
 use crate::planner::PreparedTask;
 
@@ -119,8 +121,7 @@ impl Writer {
     async fn write(
         &self,
         conn: &mut sqlx::PgConnection,
-        payload: &[u8],
-        layout: Layout,
+        letter: &Letter<'_>,
     ) -> Result<(), Result<RowError, sqlx::Error>> {
         let classify = |e: sqlx::Error| match dead_letters::as_row_error(&e) {
             Some(row_error) => Ok(row_error),
@@ -128,12 +129,23 @@ impl Writer {
         };
         match self {
             Writer::Upsert(sql) => {
-                write::upsert_rows(conn, sql, layout, &layout.stream(payload), None)
+                let (payload, layout) = match (letter.layout.format, letter.read_in) {
+                    (CopyFormat::Binary, Some(read_in)) => {
+                        let text = binary_as_text(conn, sql, read_in, letter).await.map_err(classify)?;
+                        let layout = Layout {
+                            format: CopyFormat::Text,
+                            ..letter.layout
+                        };
+                        (text, layout)
+                    }
+                    _ => (letter.payload.to_vec(), letter.layout),
+                };
+                write::upsert_rows(conn, sql, layout, &layout.stream(&payload), None)
                     .await
                     .map_err(classify)?;
             }
             Writer::Accumulate { sql, spec, transform } => {
-                let keys = transform.elements(payload).map_err(Ok)?;
+                let keys = transform.elements(letter.payload).map_err(Ok)?;
                 let mut deltas = Deltas::default();
                 deltas.add(keys);
                 let summary = AccumulateSql { table: sql, spec };
@@ -142,6 +154,76 @@ impl Writer {
         }
         Ok(())
     }
+}
+
+/// The temporary table a binary letter is decoded in.
+const DECODE_TABLE: &str = "tidemark_letter_decode";
+
+/// A binary letter's bytes are in the types its batch was read in (`read_in`, its epoch's
+/// columns). The target's columns may have changed since: a widened column is the usual fix
+/// before a retry, and `tasks reinit --alter-target` converts columns. Binary input in other
+/// types fails, or worse, reads as something else. So PostgreSQL decodes the row through a
+/// temporary table of the original types, and it is written as text, whose input functions
+/// convert (a column the letter lacks is NULL).
+async fn binary_as_text(
+    conn: &mut sqlx::PgConnection,
+    sql: &TableSql,
+    read_in: &[Column],
+    letter: &Letter<'_>,
+) -> Result<Vec<u8>, sqlx::Error> {
+    let (repair, target_layout) = (letter.layout.repair, letter.layout.target_layout);
+    let original = TableSql {
+        columns: read_in.to_vec(),
+        ..sql.clone()
+    }
+    .payload_columns(repair, target_layout);
+    let definitions: Vec<String> = original.iter().map(|(name, ty)| format!("{name} {ty}")).collect();
+    let names: Vec<&str> = original.iter().map(|(name, _)| name.as_str()).collect();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TEMP TABLE {DECODE_TABLE} ({}) ON COMMIT DROP",
+        definitions.join(", ")
+    )))
+    .execute(&mut *conn)
+    .await?;
+    let mut copy = conn
+        .copy_in_raw(&format!(
+            "COPY {DECODE_TABLE} ({}) FROM STDIN{}",
+            names.join(", "),
+            CopyFormat::Binary.copy_option()
+        ))
+        .await?;
+    copy.send(letter.layout.stream(letter.payload)).await?;
+    copy.finish().await?;
+    let select: Vec<String> = sql
+        .payload_columns(repair, target_layout)
+        .into_iter()
+        .map(|(name, _)| {
+            if names.contains(&name.as_str()) {
+                name
+            } else {
+                "NULL".into()
+            }
+        })
+        .collect();
+    let mut text = Vec::new();
+    let mut rows = conn
+        .copy_out_raw(&format!(
+            "COPY (SELECT {} FROM {DECODE_TABLE}) TO STDOUT",
+            select.join(", ")
+        ))
+        .await?;
+    while let Some(chunk) = rows.try_next().await? {
+        text.extend_from_slice(&chunk);
+    }
+    drop(rows);
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {DECODE_TABLE}")))
+        .execute(&mut *conn)
+        .await?;
+    // One row: its line without the newline, as a text letter stores it.
+    if text.last() == Some(&b'\n') {
+        text.pop();
+    }
+    Ok(text)
 }
 
 /// Claimable by a run that started at `started` (a parameter): INIT or RETRY (or a stale
@@ -155,7 +237,9 @@ fn retryable(stale: &str, started: &str) -> String {
 }
 
 /// Retries the task's INIT/RETRY letters (or just `keys`), one claimed row at a time.
+/// `control` tells which column types a binary letter's bytes were read in.
 pub async fn retry(
+    control: &ControlDb,
     target: &PgPool,
     task: &PreparedTask,
     keys: &[String],
@@ -186,7 +270,7 @@ pub async fn retry(
     for key in candidates {
         let claimed = sqlx::query(sqlx::AssertSqlSafe(format!(
             "UPDATE tidemark_dead_letters SET status = 'PROCESSING', claimed_by = $4, claimed_at = now(), \
-             updated_at = now() WHERE task = $1 AND key = $2 AND {} RETURNING payload, payload_layout",
+             updated_at = now() WHERE task = $1 AND key = $2 AND {} RETURNING payload, payload_layout, batch_id",
             retryable("$3", "$5")
         )))
         .bind(name)
@@ -203,7 +287,17 @@ pub async fn retry(
         };
         let payload: Vec<u8> = claimed.get(0);
         let layout = Layout::parse(&claimed.get::<String, _>(1)).map_err(CoordinatorError::InvalidRequest)?;
-        match retry_one(target, &writer, name, &key, &token, &payload, layout).await {
+        let read_in = match layout.format {
+            CopyFormat::Binary => control.batch_columns(&claimed.get::<String, _>(2)).await?,
+            CopyFormat::Text => None,
+        };
+        let letter = Letter {
+            key: &key,
+            payload: &payload,
+            layout,
+            read_in: read_in.as_deref(),
+        };
+        match retry_one(target, &writer, name, &token, &letter).await {
             Ok(true) => response.resolved += 1,
             Ok(false) => response.skipped += 1,
             Err(Ok(row_error)) => {
@@ -254,19 +348,26 @@ pub async fn retry(
     Ok(response)
 }
 
+/// One claimed letter: its stored row, and (binary rows) the column types its bytes are in.
+struct Letter<'a> {
+    key: &'a str,
+    payload: &'a [u8],
+    layout: Layout,
+    read_in: Option<&'a [Column]>,
+}
+
 /// Applies one claimed row and resolves it in one transaction. `Ok(false)`: the claim was
 /// taken over meanwhile (nothing committed).
 async fn retry_one(
     target: &PgPool,
     writer: &Writer,
     task: &str,
-    key: &str,
     token: &str,
-    payload: &[u8],
-    layout: Layout,
+    letter: &Letter<'_>,
 ) -> Result<bool, Result<RowError, sqlx::Error>> {
+    let key = letter.key;
     let mut tx = target.begin().await.map_err(Err)?;
-    writer.write(&mut tx, payload, layout).await?;
+    writer.write(&mut tx, letter).await?;
     let resolved = sqlx::query(
         "UPDATE tidemark_dead_letters SET status = 'RESOLVED', claimed_by = NULL, claimed_at = NULL, \
          updated_at = now() WHERE task = $1 AND key = $2 AND status = 'PROCESSING' AND claimed_by = $3",

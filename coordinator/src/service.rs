@@ -811,7 +811,8 @@ impl AdminService for CoordinatorService {
     ) -> Result<Response<pb::RetryDeadLettersResponse>, Status> {
         let request = request.into_inner();
         let task = self.task(&request.task)?;
-        let response = crate::dead_letters::retry(self.target(&request.task)?, task, &request.keys).await?;
+        let response =
+            crate::dead_letters::retry(&self.inner.control, self.target(&request.task)?, task, &request.keys).await?;
         Ok(Response::new(response))
     }
 

@@ -372,6 +372,39 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
         .await
         .unwrap();
     assert!(abandoned >= 1, "the mismatched binary batches were abandoned");
+
+    // The letters left are the NULL names, with binary payloads. The operator allows NULL
+    // names and changes `tag` from uuid to text: the letters' bytes are now in a type the
+    // target no longer has (16 raw bytes read as text would be garbage or an error). The
+    // retry decodes each letter in the types its batch was read in, and every key, the
+    // NULL names included, equals the source.
+    let layouts: Vec<String> = sqlx::query_scalar(
+        "SELECT payload_layout FROM tidemark_dead_letters WHERE key = ANY($1) AND status <> 'RESOLVED'",
+    )
+    .bind(&null_names)
+    .fetch_all(&cluster.target.pool)
+    .await
+    .unwrap();
+    assert_eq!(layouts.len(), null_names.len());
+    assert!(layouts.iter().any(|l| l.ends_with("+binary")), "{layouts:?}");
+    cluster
+        .target
+        .exec("ALTER TABLE items ALTER COLUMN name DROP NOT NULL; ALTER TABLE items ALTER COLUMN tag TYPE text")
+        .await;
+    let result = cluster.cli_json(&["dead-letters", "retry", "--task", "items"]);
+    assert_eq!(result["resolved"].as_u64(), Some(null_names.len() as u64), "{result}");
+    let with_nulls = (
+        "SELECT id::text, coalesce(name, '<null>'), amount::text, doc::text || ' ' || tag::text, \
+         (extract(epoch from updated_at) * 1000000)::bigint FROM items WHERE NOT (id::text = ANY($POISON))",
+        "SELECT id::text, coalesce(name, '<null>'), amount::text, doc::text || ' ' || tag, _tidemark_version FROM items",
+    );
+    assert_equal_except(
+        &cluster,
+        with_nulls,
+        &[],
+        "after retrying binary letters across a type change",
+    )
+    .await;
 }
 
 /// A target problem is not bad rows. With a CHECK constraint that most rows violate, no batch
