@@ -23,6 +23,14 @@ pub struct ShardKey {
     pub shard_id: u32,
 }
 
+/// An epoch's frozen source columns as `epochs.columns` stores them: `[[name, type], …]`.
+pub fn stored_columns(value: serde_json::Value) -> Result<Vec<Column>, serde_json::Error> {
+    Ok(serde_json::from_value::<Vec<(String, String)>>(value)?
+        .into_iter()
+        .map(|(name, sql_type)| Column { name, sql_type })
+        .collect())
+}
+
 /// A shard's row as the coordinator hands it to a new owner.
 #[derive(Debug, Clone)]
 pub struct ShardRecord {
@@ -793,13 +801,7 @@ impl ControlDb {
         .await?;
         columns
             .map(|value| {
-                serde_json::from_value::<Vec<(String, String)>>(value)
-                    .map(|columns| {
-                        columns
-                            .into_iter()
-                            .map(|(name, sql_type)| Column { name, sql_type })
-                            .collect()
-                    })
+                stored_columns(value)
                     .map_err(|e| CoordinatorError::InvalidRequest(format!("stored columns of batch {batch_id}: {e}")))
             })
             .transpose()

@@ -464,11 +464,8 @@ pub fn lazy_target_pool(config: &TaskConfig) -> Result<PgPool, CoordinatorError>
 
 /// The columns an epoch froze.
 pub fn epoch_columns(task: &str, epoch: &EpochRecord) -> Result<Vec<Column>, CoordinatorError> {
-    Ok(serde_json::from_value::<Vec<(String, String)>>(epoch.columns.clone())
-        .map_err(|e| CoordinatorError::task_setup(task, format!("stored epoch columns: {e}")))?
-        .into_iter()
-        .map(|(name, sql_type)| Column { name, sql_type })
-        .collect())
+    crate::checkpoints::stored_columns(epoch.columns.clone())
+        .map_err(|e| CoordinatorError::task_setup(task, format!("stored epoch columns: {e}")))
 }
 
 /// One way an existing target table differs from the source's columns, and the statement
