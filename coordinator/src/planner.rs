@@ -605,6 +605,18 @@ pub async fn reinit_task(
     Ok(reinit)
 }
 
+/// The source's clock now (microseconds since the Unix epoch): windows over cursor times,
+/// which the source writes, are measured by it, not by the coordinator's clock.
+pub async fn source_now_micros(config: &TaskConfig) -> Result<i64, CoordinatorError> {
+    let source = connect_database(&config.name, "source", &config.source).await?;
+    let now = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
+        .fetch_one(&source)
+        .await
+        .map_err(|e| CoordinatorError::task_setup(&config.name, format!("reading the source clock: {e}")));
+    source.close().await;
+    now
+}
+
 /// H0's time: the source clock, held below the start of the oldest open transaction when the
 /// task uses the open-transaction bound (rows such a transaction writes carry later times).
 async fn start_time_micros(source: &PgPool, config: &TaskConfig, cursor_unit_micros: i64) -> Result<i64, sqlx::Error> {

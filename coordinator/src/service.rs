@@ -20,7 +20,7 @@ use crate::leases::Leases;
 use crate::metrics::{METRICS, count};
 use crate::operations::{request_merge, request_move, request_split};
 use crate::planner::PreparedTask;
-use crate::planner::{delete_spec, epoch_columns, reinit_task};
+use crate::planner::{delete_spec, epoch_columns, reinit_task, source_now_micros};
 use crate::reconcile_runs::ShardReconcile;
 use tidemark_common::telemetry::join_trace;
 use tracing::Instrument;
@@ -636,7 +636,10 @@ impl AdminService for CoordinatorService {
             ))
             .into());
         }
-        let since_micros = request.window_ms.map(|ms| now_micros() - (ms as i64) * 1000);
+        let since_micros = match request.window_ms {
+            Some(ms) => Some(source_now_micros(&self.task(&request.task)?.config).await? - (ms as i64) * 1000),
+            None => None,
+        };
         let run_id = self
             .inner
             .control
