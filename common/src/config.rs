@@ -53,7 +53,7 @@ pub struct CoordinatorConfig {
     #[serde(default = "default_staging_retention", with = "serde_human")]
     pub staging_retention: Duration,
     /// The address other replicas, workers and the CLI reach this replica at (shown as the
-    /// leader's address); default `http://<listen>`.
+    /// leader's address); default `http://<listen>` (`https://` with `tls`).
     #[serde(default)]
     pub advertise: Option<String>,
     /// Even out shards per worker by graceful moves.
@@ -65,6 +65,9 @@ pub struct CoordinatorConfig {
     /// OTLP/gRPC collector for traces; default: `OTEL_EXPORTER_OTLP_ENDPOINT`; off when unset.
     #[serde(default)]
     pub otlp_endpoint: Option<String>,
+    /// Serve gRPC over TLS (`{ cert, key, client_ca }`, see `tls`); plaintext when unset.
+    #[serde(default)]
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

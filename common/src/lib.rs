@@ -17,5 +17,6 @@ pub mod pg;
 pub mod redact;
 pub mod staging;
 pub mod telemetry;
+pub mod tls;
 pub mod transform;
 pub mod write;

@@ -23,26 +23,58 @@ where
     Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 {
     let mut last = None;
+    let tls = tidemark_common::tls::ClientTls::from_env();
     for address in addresses.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-        let endpoint = match tonic::transport::Endpoint::from_shared(address.to_string()) {
+        let endpoint = match tls.endpoint(address) {
             Ok(endpoint) => endpoint.connect_timeout(Duration::from_secs(3)),
             Err(error) => {
-                last = Some(anyhow!("coordinator address {address:?}: {error}"));
+                last = Some(anyhow!("{error}"));
                 continue;
             }
         };
         match endpoint.connect().await {
-            Err(error) => last = Some(anyhow!("cannot reach coordinator {address}: {error}")),
+            Err(error) => last = Some(anyhow!("cannot reach coordinator {address}: {}", with_causes(&error))),
             Ok(channel) => match f(AdminServiceClient::new(channel)).await {
                 Ok(response) => return Ok(response.into_inner()),
-                Err(status) if status.code() == tonic::Code::Unavailable => {
-                    last = Some(anyhow!("{address}: {}", status.message()));
+                // A connection problem (the replica is down, TLS refused, plaintext against TLS)
+                // rather than the coordinator's answer: try the next replica.
+                Err(status)
+                    if std::error::Error::source(&status).is_some()
+                        || matches!(
+                            status.code(),
+                            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+                        ) =>
+                {
+                    let hint = if address.starts_with("http://") && status.message().contains("h2 protocol") {
+                        " (a coordinator serving TLS needs an https:// address)"
+                    } else {
+                        ""
+                    };
+                    last = Some(anyhow!("coordinator {address}: {}{hint}", with_causes(&status)));
                 }
                 Err(status) => return Err(anyhow!("{}", status.message())),
             },
         }
     }
     Err(last.unwrap_or_else(|| anyhow!("no coordinator address given")))
+}
+
+/// An error with its causes (a TLS refusal hides under "transport error").
+fn with_causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = match error.downcast_ref::<tonic::Status>() {
+        Some(status) => status.message().to_string(),
+        None => error.to_string(),
+    };
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        let line = inner.to_string();
+        if !text.contains(&line) {
+            text.push_str(": ");
+            text.push_str(&line);
+        }
+        cause = inner.source();
+    }
+    text
 }
 
 async fn fetch_status(addresses: &str) -> anyhow::Result<pb::StatusResponse> {

@@ -502,10 +502,10 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("control database {}", redact_url(&settings.control_db)))?;
     let leadership = Leadership::default();
-    let advertise = settings
-        .advertise
-        .clone()
-        .unwrap_or_else(|| format!("http://{}", settings.listen));
+    let advertise = settings.advertise.clone().unwrap_or_else(|| {
+        let scheme = if settings.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", settings.listen)
+    });
     // Bad tasks (missing tables, nullable keys, …) fail before anything else is contacted.
     let mut tasks = std::collections::HashMap::new();
     for task in &config.tasks {
@@ -573,7 +573,14 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {address}"))?;
     tracing::info!(%address, tasks = config.tasks.len(), "coordinator serving");
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = &settings.tls {
+        server = server
+            .tls_config(tls.config().map_err(|e| anyhow::anyhow!("[coordinator] tls: {e}"))?)
+            .context("[coordinator] tls")?;
+        tracing::info!(mutual = tls.client_ca.is_some(), "serving gRPC over TLS");
+    }
+    server
         .add_service(WorkerServiceServer::new(service.clone()))
         .add_service(AdminServiceServer::new(service))
         .serve_with_incoming_shutdown(tokio_stream_listener(listener), shutdown_signal())

@@ -335,6 +335,11 @@ pub struct Cluster {
     pub config_path: PathBuf,
     /// Where workers reach the coordinator, when not directly (e.g. through a fault proxy).
     pub worker_address: Option<String>,
+    /// The coordinator serves TLS (`tls` in `coordinator_extra`): its address is `https://`.
+    pub https: bool,
+    /// Environment of every worker and CLI process, and the harness's own status client's
+    /// TLS settings (`TIDEMARK_TLS_*`).
+    pub client_env: Vec<(String, String)>,
     restarts: u32,
 }
 
@@ -350,6 +355,8 @@ impl Cluster {
             address: String::new(),
             config_path: PathBuf::new(),
             worker_address: None,
+            https: false,
+            client_env: Vec::new(),
             restarts: 0,
             coordinator: None,
             workers: Vec::new(),
@@ -358,7 +365,8 @@ impl Cluster {
 
     pub fn write_config(&mut self, task: &TaskSettings) -> PathBuf {
         let port = free_port();
-        self.address = format!("http://127.0.0.1:{port}");
+        let scheme = if self.https { "https" } else { "http" };
+        self.address = format!("{scheme}://127.0.0.1:{port}");
         let key = task.key.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", ");
         let config = format!(
             r#"[coordinator]
@@ -468,7 +476,12 @@ open_transaction_bound = {bound}
                 "--max-shards",
                 &max,
             ],
-            env,
+            &self
+                .client_env
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .chain(env.iter().copied())
+                .collect::<Vec<_>>(),
             &self.dir.0,
         );
         self.workers.push(worker);
@@ -476,7 +489,11 @@ open_transaction_bound = {bound}
     }
 
     pub async fn try_status(&self) -> Option<pb::StatusResponse> {
-        let mut client = AdminServiceClient::connect(self.address.clone()).await.ok()?;
+        let tls = tidemark_common::tls::ClientTls::from_lookup(|name| {
+            self.client_env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+        });
+        let channel = tls.endpoint(&self.address).ok()?.connect().await.ok()?;
+        let mut client = AdminServiceClient::new(channel);
         Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
     }
 
@@ -485,6 +502,7 @@ open_transaction_bound = {bound}
     pub fn cli(&self, args: &[&str]) -> (bool, String, String) {
         let output = Command::new(binary("tidemark-coordinator"))
             .args(args)
+            .envs(self.client_env.iter().map(|(k, v)| (k, v)))
             .output()
             .unwrap();
         (

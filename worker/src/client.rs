@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
+use tidemark_common::tls::ClientTls;
 use tidemark_proto::v1 as pb;
 use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use tidemark_common::telemetry::traced_request;
 
@@ -32,11 +33,14 @@ fn is_unreachable(status: &tonic::Status) -> bool {
 
 impl CoordinatorClient {
     /// `addresses`: one or more coordinator URLs, comma-separated.
+    /// `https://` addresses use TLS as `TIDEMARK_TLS_*` configure it (see `common::tls`).
     pub fn new(addresses: &str) -> Result<CoordinatorClient, WorkerError> {
+        let tls = ClientTls::from_env();
         let mut replicas = Vec::new();
         for address in addresses.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-            let endpoint = Endpoint::from_shared(address.to_string())
-                .map_err(|e| WorkerError::Coordinator(format!("coordinator address {address:?}: {e}")))?
+            let endpoint = tls
+                .endpoint(address)
+                .map_err(WorkerError::Coordinator)?
                 .connect_timeout(Duration::from_secs(3))
                 .timeout(Duration::from_secs(30))
                 .tcp_nodelay(true);
