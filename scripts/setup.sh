@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent machine setup for Tidemark's demo and tests on a fresh Debian machine:
-# installs etcd, etcdctl and protoc (etcd-client's build needs it) from Debian's packages when missing,
+# installs etcd, etcdctl, protoc (etcd-client's build needs it) and openssl from Debian's packages when missing,
 # and starts the local PostgreSQL when it is not running.
 set -euo pipefail
 
@@ -11,6 +11,8 @@ command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 [ -f /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
 command -v psql >/dev/null 2>&1 || need+=(postgresql-client)
+# openssl: tests/tests/tls.rs makes its certificates with it.
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}"
