@@ -68,6 +68,9 @@ pub struct CoordinatorConfig {
     /// Serve gRPC over TLS (`{ cert, key, client_ca }`, see `tls`); plaintext when unset.
     #[serde(default)]
     pub tls: Option<crate::tls::ServerTls>,
+    /// Reach etcd over TLS (`{ ca, cert, key }`) at `https://` endpoints.
+    #[serde(default)]
+    pub etcd_tls: Option<crate::tls::ClientTls>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -378,6 +381,22 @@ impl Config {
         if self.coordinator.etcd_endpoints.is_empty() {
             return Err(invalid("coordinator.etcd_endpoints is empty".into()));
         }
+        let https = self
+            .coordinator
+            .etcd_endpoints
+            .iter()
+            .filter(|e| e.starts_with("https://"))
+            .count();
+        if https > 0 && https < self.coordinator.etcd_endpoints.len() {
+            return Err(invalid(
+                "coordinator.etcd_endpoints mixes https:// and plaintext endpoints".into(),
+            ));
+        }
+        if (https > 0) != self.coordinator.etcd_tls.is_some() {
+            return Err(invalid(
+                "coordinator.etcd_tls goes with https:// etcd_endpoints: set both or neither".into(),
+            ));
+        }
         if self.coordinator.lease_ttl < Duration::from_secs(2) {
             return Err(invalid("coordinator.lease_ttl must be at least 2s".into()));
         }
@@ -569,6 +588,54 @@ cursor_column = "updated_at"
         );
         assert_eq!(task.clock_tolerance(), task.overlap);
         assert_eq!(task.version, VersionConfig::Cursor);
+    }
+
+    #[test]
+    fn tls_settings_and_their_rules() {
+        let with = |endpoints: &str, lines: &str| {
+            let text = MINIMAL
+                .replace("[\"http://127.0.0.1:2379\"]", endpoints)
+                .replace("staging = ", &format!("{lines}\nstaging = "));
+            Config::parse(&text, "t.toml", env)
+        };
+        let config = with(
+            "[\"https://10.0.0.1:2379\"]",
+            "etcd_tls = { ca = \"ca.pem\", cert = \"c.pem\", key = \"c.key\" }\n\
+             tls = { cert = \"s.pem\", key = \"s.key\", client_ca = \"ca.pem\" }",
+        )
+        .unwrap();
+        let etcd = config.coordinator.etcd_tls.unwrap();
+        assert_eq!(etcd.ca.unwrap().to_str(), Some("ca.pem"));
+        assert_eq!(
+            config.coordinator.tls.unwrap().client_ca.unwrap().to_str(),
+            Some("ca.pem")
+        );
+        for (endpoints, lines, expected) in [
+            (
+                "[\"https://10.0.0.1:2379\"]",
+                "",
+                "etcd_tls goes with https:// etcd_endpoints",
+            ),
+            (
+                "[\"http://10.0.0.1:2379\"]",
+                "etcd_tls = { ca = \"ca.pem\" }",
+                "etcd_tls goes with https://",
+            ),
+            (
+                "[\"https://10.0.0.1:2379\", \"http://10.0.0.2:2379\"]",
+                "etcd_tls = { ca = \"ca.pem\" }",
+                "mixes https:// and plaintext",
+            ),
+            (
+                "[\"https://10.0.0.1:2379\"]",
+                "etcd_tls = { cafile = \"ca.pem\" }",
+                "cafile",
+            ),
+            ("[\"http://10.0.0.1:2379\"]", "tls = { cert = \"s.pem\" }", "key"),
+        ] {
+            let err = with(endpoints, lines).unwrap_err().to_string();
+            assert!(err.contains(expected), "{lines}: {err}");
+        }
     }
 
     #[test]

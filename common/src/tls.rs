@@ -5,6 +5,9 @@
 //! or operator without one cannot connect). Clients choose by the address: `https://…` is
 //! TLS, verified against the CA in `TIDEMARK_TLS_CA`; `TIDEMARK_TLS_CERT` and
 //! `TIDEMARK_TLS_KEY` give the client's own certificate. `http://…` is plaintext.
+//!
+//! The coordinator reaches etcd over TLS with `[coordinator] etcd_tls = { ca, cert, key }`
+//! (a [`ClientTls`]) and `https://` endpoints.
 
 use std::path::{Path, PathBuf};
 
@@ -39,11 +42,17 @@ impl ServerTls {
     }
 }
 
-/// A client's TLS settings, from `TIDEMARK_TLS_CA`, `TIDEMARK_TLS_CERT` and `TIDEMARK_TLS_KEY`.
-#[derive(Debug, Clone, Default)]
+/// A client's TLS settings: the CA that signed the server's certificate, and the client's
+/// own certificate and key (both or neither). From `TIDEMARK_TLS_CA`, `TIDEMARK_TLS_CERT` and
+/// `TIDEMARK_TLS_KEY` for the coordinator's clients; `etcd_tls = { ca, cert, key }` for etcd.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ClientTls {
+    #[serde(default)]
     pub ca: Option<PathBuf>,
+    #[serde(default)]
     pub cert: Option<PathBuf>,
+    #[serde(default)]
     pub key: Option<PathBuf>,
 }
 
@@ -68,22 +77,29 @@ impl ClientTls {
         if !address.starts_with("https://") {
             return Ok(endpoint);
         }
-        let ca = self.ca.as_ref().ok_or_else(|| {
-            format!("coordinator address {address} is https: set TIDEMARK_TLS_CA to the CA certificate that signed its certificate")
-        })?;
-        let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read("TIDEMARK_TLS_CA", ca)?));
-        match (&self.cert, &self.key) {
-            (Some(cert), Some(key)) => {
-                config = config.identity(Identity::from_pem(
-                    read("TIDEMARK_TLS_CERT", cert)?,
-                    read("TIDEMARK_TLS_KEY", key)?,
-                ));
-            }
-            (None, None) => {}
-            _ => return Err("TIDEMARK_TLS_CERT and TIDEMARK_TLS_KEY go together: set both or neither".into()),
+        if self.ca.is_none() {
+            return Err(format!(
+                "coordinator address {address} is https: set TIDEMARK_TLS_CA to the CA certificate that signed its certificate"
+            ));
         }
         endpoint
-            .tls_config(config)
+            .tls_config(self.config("TIDEMARK_TLS_CA", "TIDEMARK_TLS_CERT", "TIDEMARK_TLS_KEY")?)
             .map_err(|e| format!("coordinator address {address}: TLS: {e}"))
+    }
+
+    /// The rustls client configuration; `ca`, `cert` and `key` name the settings in errors.
+    pub fn config(&self, ca: &str, cert: &str, key: &str) -> Result<ClientTlsConfig, String> {
+        let mut config = ClientTlsConfig::new();
+        if let Some(path) = &self.ca {
+            config = config.ca_certificate(Certificate::from_pem(read(ca, path)?));
+        }
+        match (&self.cert, &self.key) {
+            (Some(cert_path), Some(key_path)) => {
+                config = config.identity(Identity::from_pem(read(cert, cert_path)?, read(key, key_path)?));
+            }
+            (None, None) => {}
+            _ => return Err(format!("{cert} and {key} go together: set both or neither")),
+        }
+        Ok(config)
     }
 }

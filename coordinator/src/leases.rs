@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+use tidemark_common::tls::ClientTls;
 
 use crate::checkpoints::ShardKey;
 use crate::error::CoordinatorError;
@@ -22,10 +23,22 @@ pub struct Leases {
 }
 
 impl Leases {
-    pub async fn connect(endpoints: &[String], prefix: &str, ttl: Duration) -> Result<Leases, CoordinatorError> {
-        let options = ConnectOptions::new()
+    /// `tls`: for `https://` endpoints (`etcd_tls`).
+    pub async fn connect(
+        endpoints: &[String],
+        prefix: &str,
+        ttl: Duration,
+        tls: Option<&ClientTls>,
+    ) -> Result<Leases, CoordinatorError> {
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(3))
             .with_timeout(Duration::from_secs(5));
+        if let Some(tls) = tls {
+            let config = tls
+                .config("etcd_tls.ca", "etcd_tls.cert", "etcd_tls.key")
+                .map_err(CoordinatorError::InvalidRequest)?;
+            options = options.with_tls(config);
+        }
         let client = Client::connect(endpoints, Some(options)).await?;
         Ok(Leases {
             client,

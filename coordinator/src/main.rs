@@ -513,12 +513,19 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         tokio::spawn(watch_source(control.clone(), prepared.clone(), leadership.clone()));
         tasks.insert(task.name.clone(), prepared);
     }
-    let leases = (|| Leases::connect(&settings.etcd_endpoints, &settings.etcd_prefix, settings.lease_ttl))
-        .retry(retry)
-        .when(is_transient)
-        .notify(|error, delay| tracing::warn!(%error, ?delay, "etcd unreachable; retrying"))
-        .await
-        .with_context(|| format!("etcd {}", settings.etcd_endpoints.join(",")))?;
+    let leases = (|| {
+        Leases::connect(
+            &settings.etcd_endpoints,
+            &settings.etcd_prefix,
+            settings.lease_ttl,
+            settings.etcd_tls.as_ref(),
+        )
+    })
+    .retry(retry)
+    .when(is_transient)
+    .notify(|error, delay| tracing::warn!(%error, ?delay, "etcd unreachable; retrying"))
+    .await
+    .with_context(|| format!("etcd {}", settings.etcd_endpoints.join(",")))?;
     // Probe etcd once so that a wrong endpoint fails here, not on the first worker.
     (|| leases.owners())
         .retry(retry)

@@ -103,14 +103,31 @@ pub struct Etcd {
     _dir: TempDir,
 }
 
+/// Certificates for an etcd that serves only TLS and requires client certificates.
+pub struct EtcdTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The CA that signs the clients' certificates.
+    pub client_ca: PathBuf,
+}
+
 impl Etcd {
+    pub fn start() -> Etcd {
+        Etcd::start_with(None)
+    }
+
+    /// etcd serving `https://` only, with client certificates required.
+    pub fn start_tls(tls: &EtcdTls) -> Etcd {
+        Etcd::start_with(Some(tls))
+    }
+
     /// Starts etcd on two free ports. Another process may take a port between `free_port` and
     /// etcd's bind; etcd then exits, and it is started again on new ports (three tries). Ready
     /// means its own log says it serves the client port and the port accepts connections.
-    pub fn start() -> Etcd {
+    fn start_with(tls: Option<&EtcdTls>) -> Etcd {
         let mut last_log = String::new();
         for _ in 0..3 {
-            match Etcd::try_start() {
+            match Etcd::try_start(tls) {
                 Ok(etcd) => return etcd,
                 Err(log) => last_log = log,
             }
@@ -118,17 +135,29 @@ impl Etcd {
         panic!("etcd did not start in three tries; its last log:\n{last_log}");
     }
 
-    fn try_start() -> Result<Etcd, String> {
+    fn try_start(tls: Option<&EtcdTls>) -> Result<Etcd, String> {
         let dir = TempDir::new("etcd");
         let client = free_port();
         let peer = free_port();
         let log_path = dir.0.join("etcd.log");
         let log = std::fs::File::create(&log_path).unwrap();
-        let mut child = Command::new("etcd")
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut command = Command::new("etcd");
+        if let Some(tls) = tls {
+            command
+                .arg("--cert-file")
+                .arg(&tls.cert)
+                .arg("--key-file")
+                .arg(&tls.key)
+                .arg("--trusted-ca-file")
+                .arg(&tls.client_ca)
+                .arg("--client-cert-auth");
+        }
+        let mut child = command
             .args(["--name", "t", "--data-dir"])
             .arg(dir.0.join("data"))
-            .args(["--listen-client-urls", &format!("http://127.0.0.1:{client}")])
-            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{client}")])
+            .args(["--listen-client-urls", &format!("{scheme}://127.0.0.1:{client}")])
+            .args(["--advertise-client-urls", &format!("{scheme}://127.0.0.1:{client}")])
             .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
             .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
             .args(["--initial-cluster", &format!("t=http://127.0.0.1:{peer}")])
@@ -136,11 +165,15 @@ impl Etcd {
             .stderr(log)
             .spawn()
             .expect("etcd must be installed (scripts/setup.sh installs it)");
-        let endpoint = format!("http://127.0.0.1:{client}");
+        let endpoint = format!("{scheme}://127.0.0.1:{client}");
         let deadline = Instant::now() + Duration::from_secs(20);
         // Our own etcd's log must say it serves the port: a listener there could belong to
         // another test's etcd that took the port first.
-        let serving = format!("serving insecure client requests on 127.0.0.1:{client},");
+        let serving = if tls.is_some() {
+            format!("serving client requests on 127.0.0.1:{client}\n")
+        } else {
+            format!("serving insecure client requests on 127.0.0.1:{client},")
+        };
         let ours = || std::fs::read_to_string(&log_path).is_ok_and(|log| log.contains(&serving));
         while !ours() || std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
             let exited = child.try_wait().ok().flatten();

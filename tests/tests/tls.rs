@@ -1,12 +1,13 @@
-//! gRPC over mutual TLS between workers, the CLI and the coordinator. Certificates are made by
-//! the `openssl` command for this test: a CA, the coordinator's certificate for 127.0.0.1,
-//! a client certificate, and a stranger's CA and client certificate.
+//! gRPC over mutual TLS between workers, the CLI and the coordinator, and the coordinator's
+//! etcd connection over mutual TLS. Certificates are made by the `openssl` command for this
+//! test: a CA, a server certificate for 127.0.0.1, a client certificate, and a stranger's CA
+//! and client certificate.
 //! Boundary: everything committed before the watermark; delete policy: none.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tidemark_tests::{Cluster, KeyKind, TaskSettings, TempDir, binary, create_items};
+use tidemark_tests::{Cluster, Etcd, EtcdTls, KeyKind, TaskSettings, TempDir, binary, create_items};
 
 fn openssl(dir: &Path, args: &[&str]) {
     let output = Command::new("openssl").args(args).current_dir(dir).output().unwrap();
@@ -162,12 +163,19 @@ fn status_with(address: &str, env: &[(String, String)]) -> (bool, String) {
 /// With `tls = { cert, key, client_ca }` the coordinator serves only mutual TLS. A worker and
 /// the CLI holding a certificate the CA signed sync and converge per key over it. Refused: a
 /// client without a certificate, one whose certificate another CA signed, a client that does
-/// not trust the coordinator's CA, and a plaintext client.
+/// not trust the coordinator's CA, and a plaintext client. etcd serves only mutual TLS too,
+/// and the coordinator reaches it with `etcd_tls`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutual_tls_carries_the_sync_and_refuses_strangers() {
     let certs = Certs::generate();
     let mut cluster = Cluster::new("tls").await;
     create_items(&cluster.source, KeyKind::Bigint, 5_000).await;
+    cluster.etcd = Etcd::start_tls(&EtcdTls {
+        cert: certs.path("server.pem"),
+        key: certs.path("server.key"),
+        client_ca: certs.path("ca.pem"),
+    });
+    assert!(cluster.etcd.endpoint.starts_with("https://"));
     cluster.https = true;
     cluster.client_env = certs.client_env("ca", Some("client"));
     cluster
@@ -175,10 +183,11 @@ async fn mutual_tls_carries_the_sync_and_refuses_strangers() {
             shards: 2,
             page_size: 1000,
             coordinator_extra: format!(
-                "tls = {{ cert = \"{}\", key = \"{}\", client_ca = \"{}\" }}",
-                certs.path("server.pem").display(),
-                certs.path("server.key").display(),
-                certs.path("ca.pem").display()
+                "tls = {{ cert = \"{server}.pem\", key = \"{server}.key\", client_ca = \"{ca}\" }}\n\
+                 etcd_tls = {{ ca = \"{ca}\", cert = \"{client}.pem\", key = \"{client}.key\" }}",
+                server = certs.path("server").display(),
+                client = certs.path("client").display(),
+                ca = certs.path("ca.pem").display()
             ),
             ..TaskSettings::default()
         })
