@@ -532,3 +532,45 @@ async fn scheduled_reconciliation_repairs_drift() {
     eprintln!("scheduled: {run:?}");
     assert_expected(&cluster, "true", CURSOR_VERSION, false, "after a scheduled run").await;
 }
+
+/// B = the reconciliation run; D = none. `reconcile --since 30m` compares rows whose cursor
+/// time lies within 30 minutes of the source's clock, which wrote the cursor times, not the
+/// coordinator's. Here the source clock, as the coordinator reads it, runs an hour behind
+/// (`TIDEMARK_SOURCE_CLOCK_SQL`, a test hook), so the window starts 90 minutes before the
+/// real now and covers a row written 45 minutes ago. Measured by the coordinator's own clock,
+/// the window would start 30 minutes ago and miss that row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windowed_reconcile_measures_its_window_by_the_source_clock() {
+    let mut cluster = Cluster::new("del_since_clock").await;
+    create_fixture(&cluster.source, 3_000).await;
+    let behind = "(clock_timestamp() - interval '1 hour')".to_string();
+    cluster
+        .start(&TaskSettings {
+            shards: 2,
+            coordinator_env: vec![("TIDEMARK_SOURCE_CLOCK_SQL", behind)],
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("w", 2, &[]);
+    cluster
+        .wait_for("snapshot done", Duration::from_secs(60), |t| t.snapshot_complete)
+        .await;
+    // Row 900 was written 45 minutes ago (the fixture spreads rows over the last hour).
+    let age: f64 =
+        sqlx::query_scalar("SELECT extract(epoch from now() - updated_at)::float8 FROM items WHERE id = 900")
+            .fetch_one(&cluster.source.pool)
+            .await
+            .unwrap();
+    assert!((2_600.0..2_800.0).contains(&age), "row 900 is {age} s old");
+    cluster
+        .target
+        .exec("UPDATE items SET name = 'drifted', _tidemark_version = _tidemark_version + 1 WHERE id = 900")
+        .await;
+    let run = cluster.reconcile(&["--since", "30m"]);
+    assert_eq!(run["keys_repaired"], 1, "{run}");
+    let name: String = sqlx::query_scalar("SELECT name FROM items WHERE id = 900")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(name, "item 900", "the drifted row was repaired to the source's");
+}
