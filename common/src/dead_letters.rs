@@ -124,6 +124,13 @@ pub struct DeadLetter {
     pub error: RowError,
 }
 
+impl DeadLetter {
+    /// `key K: class: message`, for errors and logs.
+    pub fn describe(&self) -> String {
+        format!("key {}: {}: {}", self.key, self.error.class, self.error.message)
+    }
+}
+
 /// The key of a staged row as dead letters store it: the value of a single key column, a JSON
 /// array of the values of a composite key.
 pub fn row_key(sql: &TableSql, format: CopyFormat, row: &[u8]) -> String {

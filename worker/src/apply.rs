@@ -113,12 +113,7 @@ impl BatchToApply<'_> {
             return Ok(());
         }
         let first = first
-            .map(|letter| {
-                format!(
-                    "; first: key {}: {}: {}",
-                    letter.key, letter.error.class, letter.error.message
-                )
-            })
+            .map(|letter| format!("; first: {}", letter.describe()))
             .unwrap_or_default();
         Err(WorkerError::TargetRejects(format!(
             "batch {}: the target rejected more than {} of its {rows} rows (max_dead_letter_ratio){first}",
@@ -311,17 +306,14 @@ async fn probe_sample(conn: &mut PgConnection, batch: &BatchToApply<'_>, rows: &
             rejected.push(batch.dead_letter(row, row_error));
         }
         if rejected.len() >= needed {
-            let first = &rejected[0];
             return Err(WorkerError::TargetRejects(format!(
                 "batch {}: the target rejected {} of {} rows sampled from its {}: more than the {limit} that \
-                 max_dead_letter_ratio allows would go to the dead letters; first: key {}: {}: {}",
+                 max_dead_letter_ratio allows would go to the dead letters; first: {}",
                 batch.manifest.batch_id,
                 rejected.len(),
                 probe + 1,
                 rows.len(),
-                first.key,
-                first.error.class,
-                first.error.message
+                rejected[0].describe()
             )));
         }
     }
