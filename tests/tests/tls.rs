@@ -9,89 +9,48 @@ use std::process::Command;
 
 use tidemark_tests::{Cluster, Etcd, EtcdTls, KeyKind, TaskSettings, TempDir, binary, create_items};
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let output = Command::new("openssl").args(args).current_dir(dir).output().unwrap();
+/// Runs `openssl` in `dir` with whitespace-separated `args` (file names without spaces).
+fn openssl(dir: &Path, args: &str) {
+    let output = Command::new("openssl")
+        .args(args.split_whitespace())
+        .current_dir(dir)
+        .output()
+        .unwrap();
     assert!(
         output.status.success(),
-        "openssl {args:?}: {}",
+        "openssl {args}: {}",
         String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// `openssl req` with a new P-256 key in `{name}.key` and subject `/CN={name}`, writing
+/// `out`, with `extra` arguments.
+fn request(dir: &Path, name: &str, out: &str, extra: &str) {
+    openssl(
+        dir,
+        &format!(
+            "req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout {name}.key -out {out} \
+             -subj /CN={name} {extra}"
+        ),
     );
 }
 
 /// A CA (`{name}.pem`, `{name}.key`).
 fn ca(dir: &Path, name: &str) {
-    let (pem, key, subject) = (format!("{name}.pem"), format!("{name}.key"), format!("/CN={name}"));
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &pem,
-            "-days",
-            "2",
-            "-subj",
-            &subject,
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign",
-        ],
-    );
+    let extensions = "-x509 -days 2 -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign";
+    request(dir, name, &format!("{name}.pem"), extensions);
 }
 
 /// A certificate `{name}.pem` (key `{name}.key`) that `ca` signs, with `extensions`.
 fn leaf(dir: &Path, name: &str, ca: &str, extensions: &str) {
-    let (pem, key, csr, ext) = (
-        format!("{name}.pem"),
-        format!("{name}.key"),
-        format!("{name}.csr"),
-        format!("{name}.ext"),
-    );
-    std::fs::write(dir.join(&ext), extensions).unwrap();
+    std::fs::write(dir.join(format!("{name}.ext")), extensions).unwrap();
+    request(dir, name, &format!("{name}.csr"), "");
     openssl(
         dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            &format!("/CN={name}"),
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &format!("{ca}.pem"),
-            "-CAkey",
-            &format!("{ca}.key"),
-            "-CAcreateserial",
-            "-out",
-            &pem,
-            "-days",
-            "2",
-            "-extfile",
-            &ext,
-        ],
+        &format!(
+            "x509 -req -in {name}.csr -CA {ca}.pem -CAkey {ca}.key -CAcreateserial -out {name}.pem -days 2 \
+             -extfile {name}.ext"
+        ),
     );
 }
 
