@@ -38,6 +38,8 @@ struct Cli {
 #[derive(clap::Args, Clone)]
 struct Target {
     /// Coordinator replica URLs, comma-separated (e.g. http://a:7400,http://b:7400).
+    /// `https://` uses TLS: TIDEMARK_TLS_CA names the CA certificate (PEM) to trust,
+    /// TIDEMARK_TLS_CERT and TIDEMARK_TLS_KEY the operator's own certificate and key.
     #[arg(long, env = "TIDEMARK_COORDINATOR")]
     coordinator: String,
 }

@@ -22,6 +22,8 @@ use tokio::task::JoinSet;
 )]
 struct Cli {
     /// Coordinator replica gRPC addresses, comma-separated, e.g. http://a:7400,http://b:7400.
+    /// `https://` addresses use TLS: TIDEMARK_TLS_CA names the CA certificate (PEM) to trust,
+    /// TIDEMARK_TLS_CERT and TIDEMARK_TLS_KEY this worker's own certificate and key.
     #[arg(long, env = "TIDEMARK_COORDINATOR")]
     coordinator: String,
     /// Worker name; defaults to host name, process id and a random suffix.
