@@ -186,7 +186,14 @@ async fn run_policy(case: PolicyCase) {
     cluster.start(&settings).await;
     cluster.spawn_worker(&format!("{}-a", case.tag), 4, &[]);
     cluster.spawn_worker(&format!("{}-b", case.tag), 4, &[]);
-    let end = write_with_deletes(&cluster.source, case.deletes, 1_000_000, 40).await;
+    // Half the rounds run while the snapshot copies, half after it: only keys the target
+    // already holds leave a trace there (a soft target's flagged rows), and on a slow machine
+    // the first half may finish before the snapshot has copied anything.
+    write_with_deletes(&cluster.source, case.deletes, 1_000_000, 20).await;
+    cluster
+        .wait_for("snapshot done", Duration::from_secs(90), |t| t.snapshot_complete)
+        .await;
+    let end = write_with_deletes(&cluster.source, case.deletes, 2_000_000, 20).await;
     let live = if case.deletes == Deletes::Soft {
         "deleted_at IS NULL"
     } else {
