@@ -190,63 +190,75 @@ fn report(json: bool, value: serde_json::Value, line: String) -> anyhow::Result<
     Ok(())
 }
 
-/// `tasks pause|resume|reinit`: `action` names the call, `request` carries its arguments.
-pub async fn task_change(addresses: &str, action: &str, request: pb::TaskRequest, json: bool) -> anyhow::Result<()> {
-    let task = request.task.clone();
-    match action {
-        "pause" => {
-            admin(addresses, |mut c| {
-                let request = request.clone();
-                async move { c.pause_task(request).await }
-            })
-            .await?;
-            report(
-                json,
-                json!({ "task": task, "paused": true, "reason": request.reason }),
-                format!("task {task} paused"),
-            )?;
-        }
-        "resume" => {
-            admin(addresses, |mut c| {
-                let request = request.clone();
-                async move { c.resume_task(request).await }
-            })
-            .await?;
-            report(
-                json,
-                json!({ "task": task, "paused": false }),
-                format!("task {task} resumed"),
-            )?;
-        }
-        _ => {
-            let response = admin(addresses, |mut c| {
-                let request = request.clone();
-                async move { c.reinit_task(request).await }
-            })
-            .await?;
-            let mut line = format!(
-                "task {task} reinitialized: epoch {} snapshots the table again; reconciliation run {} removes keys deleted meanwhile",
-                response.epoch, response.reconcile_run_id
-            );
-            for change in &response.target_changes {
-                line.push_str(&format!("\ntarget changed: {change}"));
-            }
-            for difference in &response.target_differences {
-                line.push_str(&format!(
-                    "\nnote: target {difference} (left as it is; `--alter-target` converts it)"
-                ));
-            }
-            report(
-                json,
-                json!({
-                    "task": task, "epoch": response.epoch, "reconcile_run_id": response.reconcile_run_id,
-                    "target_changes": response.target_changes, "target_differences": response.target_differences,
-                }),
-                line,
-            )?;
-        }
+/// `tasks pause`: no shard of the task is handed out or committed until it is resumed.
+pub async fn task_pause(addresses: &str, task: String, reason: String, json: bool) -> anyhow::Result<()> {
+    let request = pb::TaskRequest {
+        task: task.clone(),
+        reason: reason.clone(),
+        ..Default::default()
+    };
+    admin(addresses, |mut c| {
+        let request = request.clone();
+        async move { c.pause_task(request).await }
+    })
+    .await?;
+    report(
+        json,
+        json!({ "task": task, "paused": true, "reason": reason }),
+        format!("task {task} paused"),
+    )
+}
+
+/// `tasks resume`.
+pub async fn task_resume(addresses: &str, task: String, json: bool) -> anyhow::Result<()> {
+    let request = pb::TaskRequest {
+        task: task.clone(),
+        ..Default::default()
+    };
+    admin(addresses, |mut c| {
+        let request = request.clone();
+        async move { c.resume_task(request).await }
+    })
+    .await?;
+    report(
+        json,
+        json!({ "task": task, "paused": false }),
+        format!("task {task} resumed"),
+    )
+}
+
+/// `tasks reinit [--alter-target]`: a new epoch, and the target's changes or differences.
+pub async fn task_reinit(addresses: &str, task: String, alter_target: bool, json: bool) -> anyhow::Result<()> {
+    let request = pb::TaskRequest {
+        task: task.clone(),
+        alter_target,
+        ..Default::default()
+    };
+    let response = admin(addresses, |mut c| {
+        let request = request.clone();
+        async move { c.reinit_task(request).await }
+    })
+    .await?;
+    let mut line = format!(
+        "task {task} reinitialized: epoch {} snapshots the table again; reconciliation run {} removes keys deleted meanwhile",
+        response.epoch, response.reconcile_run_id
+    );
+    for change in &response.target_changes {
+        line.push_str(&format!("\ntarget changed: {change}"));
     }
-    Ok(())
+    for difference in &response.target_differences {
+        line.push_str(&format!(
+            "\nnote: target {difference} (left as it is; `--alter-target` converts it)"
+        ));
+    }
+    report(
+        json,
+        json!({
+            "task": task, "epoch": response.epoch, "reconcile_run_id": response.reconcile_run_id,
+            "target_changes": response.target_changes, "target_differences": response.target_differences,
+        }),
+        line,
+    )
 }
 
 pub async fn shards_list(addresses: &str, task: Option<String>, json: bool) -> anyhow::Result<()> {

@@ -348,34 +348,14 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 target,
                 reason,
                 json,
-            } => {
-                let request = pb::TaskRequest {
-                    task,
-                    reason,
-                    ..Default::default()
-                };
-                admin_cli::task_change(&target.coordinator, "pause", request, json).await
-            }
-            TaskAction::Resume { task, target, json } => {
-                let request = pb::TaskRequest {
-                    task,
-                    ..Default::default()
-                };
-                admin_cli::task_change(&target.coordinator, "resume", request, json).await
-            }
+            } => admin_cli::task_pause(&target.coordinator, task, reason, json).await,
+            TaskAction::Resume { task, target, json } => admin_cli::task_resume(&target.coordinator, task, json).await,
             TaskAction::Reinit {
                 task,
                 alter_target,
                 target,
                 json,
-            } => {
-                let request = pb::TaskRequest {
-                    task,
-                    alter_target,
-                    ..Default::default()
-                };
-                admin_cli::task_change(&target.coordinator, "reinit", request, json).await
-            }
+            } => admin_cli::task_reinit(&target.coordinator, task, alter_target, json).await,
         },
         Command::Shards { action } => match action {
             ShardAction::List { task, target, json } => admin_cli::shards_list(&target.coordinator, task, json).await,
