@@ -663,16 +663,36 @@ pub fn has_equality(sql_type: &str) -> bool {
         || name.starts_with("time ")
 }
 
-/// Connection options for every Tidemark session: UTC, standard-conforming strings (which
-/// the literal quoting above relies on) and an application name that shows in
-/// `pg_stat_activity`.
+/// Every setting that changes how a value is written as text, read from text or hashed,
+/// pinned on every Tidemark session (source, target and control), whatever the database,
+/// the role or the URL's `options` set. COPY text pages are rendered by the source and
+/// parsed by the target: an `IntervalStyle = sql_standard` source writes `-1 day -2 hours`
+/// as `-1 2:00:00`, which a `postgres`-style target reads as `-1 day +02:00:00`.
+/// Reconciliation hashes the same text on both sides. Appended last, so they win over the
+/// URL's own `options`. The literal quoting above relies on standard-conforming strings;
+/// the ON CONFLICT guards rely on READ COMMITTED.
+pub const SESSION_SETTINGS: &[(&str, &str)] = &[
+    ("DateStyle", "ISO, MDY"),
+    ("IntervalStyle", "postgres"),
+    ("TimeZone", "UTC"),
+    ("extra_float_digits", "3"),
+    ("bytea_output", "hex"),
+    ("lc_monetary", "C"),
+    ("standard_conforming_strings", "on"),
+    ("client_encoding", "UTF8"),
+    ("default_transaction_isolation", "read committed"),
+];
+
+/// Connection options for every Tidemark session: the pinned [`SESSION_SETTINGS`] and an
+/// application name that shows in `pg_stat_activity`.
 pub fn connect_options(url: &str, application_name: &str) -> Result<sqlx::postgres::PgConnectOptions, String> {
     let options: sqlx::postgres::PgConnectOptions = url
         .parse()
         .map_err(|e| format!("{}: {e}", crate::redact::redact_url(url)))?;
     Ok(options
         .application_name(application_name)
-        .options([("TimeZone", "UTC"), ("standard_conforming_strings", "on")]))
+        .extra_float_digits(3)
+        .options(SESSION_SETTINGS.iter().copied()))
 }
 
 /// One unit of a timestamp type's precision in microseconds: `timestamp(3)` → 1,000. Stored
