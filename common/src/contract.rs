@@ -80,9 +80,11 @@ pub fn derive(task: &TaskConfig) -> Contract {
                 format_duration(task.overlap),
                 format_duration(task.safety_delay),
                 if task.open_transaction_bound {
-                    "start of the oldest open source transaction"
+                    "start of the oldest transaction open on the source, checked to see every writer; a prepared \
+                     transaction holds the watermark until it ends"
                 } else {
-                    "unbounded: open transactions are not consulted"
+                    "unbounded: open transactions are not consulted (open_transaction_bound = false), so the late-commit \
+                     guarantee is reduced to the overlap window"
                 }
             ),
         ),

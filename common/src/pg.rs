@@ -11,6 +11,7 @@ use crate::cursor::{KeyValue, ShardRange};
 pub mod accumulate;
 pub mod deletes;
 pub mod reconcile;
+pub mod visibility;
 
 pub use deletes::{DeleteSource, DeleteSql};
 
@@ -718,18 +719,6 @@ pub fn source_clock_sql() -> String {
 pub fn source_now_query() -> String {
     format!("SELECT (extract(epoch from {}) * 1000000)::bigint", source_clock_sql())
 }
-
-/// The start of the oldest transaction still open in the source database (microseconds),
-/// other than Tidemark's own sessions and background workers. Sessions of other roles are
-/// only visible with `pg_read_all_stats` (e.g. through `pg_monitor`).
-pub const OLDEST_OPEN_TRANSACTION: &str = "SELECT (extract(epoch from min(xact_start)) * 1000000)::bigint \
-     FROM pg_stat_activity WHERE backend_type = 'client backend' AND xact_start IS NOT NULL \
-     AND pid <> pg_backend_pid() AND datname = current_database() \
-     AND coalesce(application_name, '') NOT LIKE 'tidemark-%'";
-
-/// Whether the session may see every session's transaction start.
-pub const CAN_SEE_ALL_TRANSACTIONS: &str = "SELECT pg_has_role(current_user, 'pg_read_all_stats', 'MEMBER') \
-     OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)";
 
 /// Whether a driver error is worth retrying (the server is unreachable or restarting), as
 /// opposed to a problem that retrying cannot fix (bad credentials, missing database, SQL).

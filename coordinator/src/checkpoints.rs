@@ -142,6 +142,8 @@ pub struct TaskStatusRow {
     pub name: String,
     pub epoch: u64,
     pub paused_reason: Option<String>,
+    /// Why the source holds the watermark without a pause (see `set_source_hold`).
+    pub source_hold: Option<String>,
     pub shards: Vec<ShardStatusRow>,
 }
 
@@ -347,6 +349,16 @@ impl ControlDb {
         .await?
         .rows_affected();
         Ok(updated == 1)
+    }
+
+    /// Records why the source holds the task's watermark (`None`: it does not).
+    pub async fn set_source_hold(&self, task: &str, hold: Option<&str>) -> Result<(), CoordinatorError> {
+        sqlx::query("UPDATE tasks SET source_hold = $2 WHERE name = $1 AND source_hold IS DISTINCT FROM $2")
+            .bind(task)
+            .bind(hold)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 
     pub async fn paused_reason(&self, task: &str) -> Result<Option<String>, CoordinatorError> {
@@ -823,7 +835,8 @@ impl ControlDb {
 
     pub async fn status(&self) -> Result<Vec<TaskStatusRow>, CoordinatorError> {
         let rows = sqlx::query(
-            "SELECT t.name, t.current_epoch, t.paused_reason, c.shard_id, c.range, c.phase, c.cursor, c.rows_applied \
+            "SELECT t.name, t.current_epoch, t.paused_reason, c.shard_id, c.range, c.phase, c.cursor, c.rows_applied, \
+             t.source_hold \
              FROM tasks t JOIN checkpoints c ON c.task = t.name AND c.epoch = t.current_epoch \
              WHERE NOT c.retired ORDER BY t.name, c.shard_id",
         )
@@ -837,6 +850,7 @@ impl ControlDb {
                     name: name.clone(),
                     epoch: row.get::<i64, _>(1) as u64,
                     paused_reason: row.get(2),
+                    source_hold: row.get(8),
                     shards: Vec::new(),
                 });
             }

@@ -16,8 +16,8 @@ use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, plan_ranges};
 use tidemark_common::pg::deletes::delete_log_table;
 use tidemark_common::pg::{
-    self, Column, DeleteSql, OLDEST_OPEN_TRANSACTION, TableName, TableSql, VERSION_COLUMN, connect_options,
-    is_transient, quote_ident,
+    self, Column, DeleteSql, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient, quote_ident,
+    visibility,
 };
 use tidemark_common::redact::redact_url;
 
@@ -298,6 +298,14 @@ async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorEr
                 "delete_policy tombstone_table: the delete log {log} does not exist; run \
                  `tidemark-coordinator source install --task {task}` first"
             )));
+        }
+    }
+    if config.open_transaction_bound {
+        let (seen, _) = visibility::read(&pool, &table)
+            .await
+            .map_err(|e| setup(format!("reading what the open-transaction bound can see: {e}")))?;
+        if let Some(reason) = seen.blind_spot(&table) {
+            return Err(setup(reason));
         }
     }
     let plain: Vec<Column> = columns.iter().map(|c| c.column.clone()).collect();
@@ -617,17 +625,46 @@ pub async fn source_now_micros(config: &TaskConfig) -> Result<i64, CoordinatorEr
     now
 }
 
+/// How long planning waits for prepared transactions to end before it refuses.
+const PREPARED_WAIT: Duration = Duration::from_secs(30);
+
 /// H0's time: the source clock, held below the start of the oldest open transaction when the
 /// task uses the open-transaction bound (rows such a transaction writes carry later times).
-async fn start_time_micros(source: &PgPool, config: &TaskConfig, cursor_unit_micros: i64) -> Result<i64, sqlx::Error> {
-    let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
-        .fetch_one(source)
-        .await?;
-    if !config.open_transaction_bound {
-        return Ok(now);
+/// A prepared transaction has no known start, so no H0 covers it: planning waits for it to
+/// end (up to [`PREPARED_WAIT`]), then refuses and names it.
+async fn start_time_micros(
+    source: &PgPool,
+    config: &TaskConfig,
+    table: &TableName,
+    cursor_unit_micros: i64,
+) -> Result<i64, CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+    let reading = |e: sqlx::Error| setup(format!("reading the start bound from {table}: {e}"));
+    let deadline = std::time::Instant::now() + PREPARED_WAIT;
+    loop {
+        let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
+            .fetch_one(source)
+            .await
+            .map_err(reading)?;
+        if !config.open_transaction_bound {
+            return Ok(now);
+        }
+        let (seen, prepared) = visibility::read(source, table).await.map_err(reading)?;
+        if let Some(reason) = seen.blind_spot(table) {
+            return Err(setup(reason));
+        }
+        let Some(prepared) = prepared else {
+            return Ok(seen
+                .oldest_start_micros
+                .map_or(now, |o| (o - cursor_unit_micros).min(now)));
+        };
+        let hold = visibility::prepared_hold(&prepared);
+        if std::time::Instant::now() >= deadline {
+            return Err(setup(format!("cannot plan the snapshot's start bound: {hold}")));
+        }
+        tracing::warn!(task = %config.name, %hold, "waiting to plan the snapshot's start bound");
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let oldest: Option<i64> = sqlx::query_scalar(OLDEST_OPEN_TRANSACTION).fetch_one(source).await?;
-    Ok(oldest.map_or(now, |o| (o - cursor_unit_micros).min(now)))
 }
 
 async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -> Result<EpochPlan, CoordinatorError> {
@@ -644,9 +681,7 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
         .as_ref()
         .and_then(|name| columns.iter().find(|c| &c.name == name))
         .map_or("timestamp with time zone", |c| c.sql_type.as_str());
-    let h0_time_micros = start_time_micros(source, config, pg::timestamp_unit_micros(cursor_type))
-        .await
-        .map_err(reading)?;
+    let h0_time_micros = start_time_micros(source, config, table, pg::timestamp_unit_micros(cursor_type)).await?;
     let first_key = quote_ident(&config.key[0]);
     let (domain, h0_max_key) = if first_key_type == "uuid" {
         // uuid keys split by prefix and need no bounds (and PostgreSQL has no min(uuid)).

@@ -520,6 +520,14 @@ impl AdminService for CoordinatorService {
                 ));
             }
             let config = self.inner.tasks.get(&task.name).map(|t| &t.config);
+            warnings.extend(task.source_hold.clone());
+            if config.is_some_and(|c| !c.open_transaction_bound) {
+                warnings.push(format!(
+                    "open_transaction_bound = false: the late-commit guarantee is reduced to the overlap window ({:.1}s); \
+                     a transaction committing later than that after its rows' cursor time is missed until a reconciliation",
+                    overlap.as_secs_f64()
+                ));
+            }
             if let Some(DeletePolicy::TombstoneTable { retention }) = config.and_then(|c| c.delete_policy.as_ref()) {
                 warnings.extend(retention_warning(&task.shards, *retention));
             }

@@ -4,6 +4,9 @@
 //!   highest reading seen (rows written meanwhile may carry times below the watermark);
 //! - `id regression` (append mode): the source's largest key is below a committed cursor
 //!   (keys were reused or a sequence was reset; new rows would never be read);
+//! - `open transactions not visible`: the open-transaction bound cannot see every writer of
+//!   the table (a role without `pg_read_all_stats`, a hot standby, a logical-replication
+//!   subscriber); a prepared transaction is shown in `status` while it holds the watermark;
 //! - `schema changed`: a column of the source table was added, dropped, renamed or changed
 //!   its type since the epoch was planned (the workers also refuse every page read after such
 //!   a change, so none reaches the target before the pause).
@@ -14,7 +17,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::config::DeletePolicy;
 use tidemark_common::cursor::format_micros;
 use tidemark_common::duration::format_duration;
-use tidemark_common::pg::{self, TableName, connect_options, quote_ident};
+use tidemark_common::pg::{self, TableName, connect_options, quote_ident, visibility};
 
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
@@ -62,6 +65,21 @@ async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Res
         }
         return Ok(());
     }
+    let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
+    if task.config.open_transaction_bound {
+        let (seen, prepared) = visibility::read(source, &table).await?;
+        if let Some(reason) = seen.blind_spot(&table) {
+            pause(
+                control,
+                name,
+                &format!("{reason}; then `tidemark-coordinator tasks resume {name}`"),
+            )
+            .await?;
+            return Ok(());
+        }
+        let hold = prepared.as_ref().map(visibility::prepared_hold);
+        control.set_source_hold(name, hold.as_deref()).await?;
+    }
     if let Some(every) = task.config.reconcile_every
         && control
             .seconds_since_last_reconcile(name)
@@ -89,7 +107,6 @@ async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Res
         return Ok(());
     }
     if task.config.mode.appends() {
-        let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
         let key = &task.config.key[0];
         let query = format!("SELECT max({})::bigint FROM {}", quote_ident(key), table.quoted());
         let source_max: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(query)).fetch_one(source).await?;

@@ -91,6 +91,8 @@ pub struct PrivatePg {
     pub url: String,
     bin: PathBuf,
     data: PathBuf,
+    /// `-c name=value` options of the postmaster.
+    settings: String,
     _dir: TempDir,
 }
 
@@ -113,6 +115,22 @@ fn postgres_bin_dir() -> Option<PathBuf> {
         .find(|b| b.join("initdb").exists())
 }
 
+/// A scratch directory owned by the `postgres` OS user, and the data directory inside it.
+fn postgres_owned_dir() -> Option<(TempDir, PathBuf)> {
+    let dir = TempDir::new("pg");
+    let chown = Command::new("chown")
+        .args(["-R", "postgres:postgres"])
+        .arg(&dir.0)
+        .status()
+        .ok()?;
+    if !chown.success() {
+        return None;
+    }
+    let _ = Command::new("chmod").args(["755"]).arg(&dir.0).status();
+    let data = dir.0.join("data");
+    Some((dir, data))
+}
+
 fn as_postgres(bin: &Path, tool: &str, args: &[&str]) -> std::process::ExitStatus {
     Command::new("runuser")
         .args(["-u", "postgres", "--"])
@@ -127,18 +145,13 @@ fn as_postgres(bin: &Path, tool: &str, args: &[&str]) -> std::process::ExitStatu
 impl PrivatePg {
     /// None where a private server cannot be run here (no initdb, not root).
     pub fn start() -> Option<PrivatePg> {
+        PrivatePg::start_with(&[])
+    }
+
+    /// A server started with postmaster settings such as `max_prepared_transactions=8`.
+    pub fn start_with(settings: &[&str]) -> Option<PrivatePg> {
         let bin = postgres_bin_dir()?;
-        let dir = TempDir::new("pg");
-        let data = dir.0.join("data");
-        let chown = Command::new("chown")
-            .args(["-R", "postgres:postgres"])
-            .arg(&dir.0)
-            .status()
-            .ok()?;
-        if !chown.success() {
-            return None;
-        }
-        let _ = Command::new("chmod").args(["755"]).arg(&dir.0).status();
+        let (dir, data) = postgres_owned_dir()?;
         let data_text = data.to_str()?.to_string();
         if !as_postgres(
             &bin,
@@ -149,12 +162,46 @@ impl PrivatePg {
         {
             return None;
         }
+        PrivatePg::run(bin, dir, data, settings)
+    }
+
+    /// A hot standby of this server: a base backup that streams its WAL (`pg_basebackup -R`).
+    pub fn start_standby(&self) -> Option<PrivatePg> {
+        let (dir, data) = postgres_owned_dir()?;
+        let port = self.port.to_string();
+        let data_text = data.to_str()?.to_string();
+        let backup = as_postgres(
+            &self.bin,
+            "pg_basebackup",
+            &[
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-D",
+                &data_text,
+                "-R",
+                "-X",
+                "stream",
+            ],
+        );
+        if !backup.success() {
+            return None;
+        }
+        let settings: Vec<&str> = self.settings.split(" -c ").filter(|s| !s.is_empty()).collect();
+        PrivatePg::run(self.bin.clone(), dir, data, &settings)
+    }
+
+    fn run(bin: PathBuf, dir: TempDir, data: PathBuf, settings: &[&str]) -> Option<PrivatePg> {
         let port = free_port();
         let pg = PrivatePg {
             port,
             url: format!("postgres://postgres@127.0.0.1:{port}"),
             bin,
             data,
+            settings: settings.iter().map(|s| format!(" -c {s}")).collect(),
             _dir: dir,
         };
         pg.ctl(&["start"]).then_some(pg)
@@ -163,8 +210,8 @@ impl PrivatePg {
     fn ctl(&self, action: &[&str]) -> bool {
         let data = self.data.to_str().unwrap();
         let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
-            self.port, data
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off{}",
+            self.port, data, self.settings
         );
         let log = format!("{data}/server.log");
         let mut args = vec!["-D", data, "-o", &options, "-l", &log, "-w", "-t", "60"];

@@ -57,14 +57,21 @@ pub struct TestDb {
     pub name: String,
     pub url: String,
     pub pool: PgPool,
+    /// The server's URL without a database.
+    base: String,
 }
 
 impl TestDb {
     pub async fn create(tag: &str) -> TestDb {
+        TestDb::create_on(&pg_base_url(), tag).await
+    }
+
+    /// A database on the server at `base` (a URL without a database).
+    pub async fn create_on(base: &str, tag: &str) -> TestDb {
         let name = unique_name(tag);
         let admin = PgPoolOptions::new()
             .max_connections(1)
-            .connect(&format!("{}/postgres", pg_base_url()))
+            .connect(&format!("{base}/postgres"))
             .await
             .expect("PostgreSQL at TIDEMARK_TEST_PG (default 127.0.0.1:5432) must be running");
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
@@ -72,9 +79,14 @@ impl TestDb {
             .await
             .unwrap();
         admin.close().await;
-        let url = format!("{}/{name}", pg_base_url());
+        let url = format!("{base}/{name}");
         let pool = PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
-        TestDb { name, url, pool }
+        TestDb {
+            name,
+            url,
+            pool,
+            base: base.to_string(),
+        }
     }
 
     pub async fn exec(&self, sql: &str) {
@@ -85,10 +97,53 @@ impl TestDb {
     }
 }
 
+impl TestDb {
+    /// This database's URL for another role (same server).
+    pub fn url_as(&self, role: &str) -> String {
+        self.url.replacen("postgres@", &format!("{role}@"), 1)
+    }
+}
+
+/// A login role of its own for one test (server-wide), dropped when the test ends: declare
+/// it before the databases it has privileges in, so that they are dropped first.
+pub struct TestRole {
+    pub name: String,
+    base: String,
+}
+
+impl TestRole {
+    pub async fn create(tag: &str) -> TestRole {
+        let name = unique_name(tag);
+        let base = pg_base_url();
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&format!("{base}/postgres"))
+            .await
+            .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE ROLE \"{name}\" LOGIN")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        admin.close().await;
+        TestRole { name, base }
+    }
+}
+
+impl Drop for TestRole {
+    fn drop(&mut self) {
+        let _ = Command::new("psql")
+            .args(["-X", "-q", "-d", &format!("{}/postgres", self.base), "-c"])
+            .arg(format!("DROP ROLE IF EXISTS \"{}\"", self.name))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
 impl Drop for TestDb {
     fn drop(&mut self) {
         let _ = Command::new("psql")
-            .args(["-X", "-q", "-d", &format!("{}/postgres", pg_base_url()), "-c"])
+            .args(["-X", "-q", "-d", &format!("{}/postgres", self.base), "-c"])
             .arg(format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -329,6 +384,8 @@ pub struct TaskSettings {
     pub coordinator_extra: String,
     /// The target table; empty: the source table's name.
     pub target_table: String,
+    /// The task's source URL; empty: the cluster's source database as `postgres`.
+    pub source_url: String,
 }
 
 impl Default for TaskSettings {
@@ -349,6 +406,7 @@ impl Default for TaskSettings {
             staging_retention: "1h",
             coordinator_extra: String::new(),
             target_table: String::new(),
+            source_url: String::new(),
         }
     }
 }
@@ -379,8 +437,13 @@ pub struct Cluster {
 impl Cluster {
     /// Creates the databases and etcd; the caller fills the source before `start`.
     pub async fn new(tag: &str) -> Cluster {
+        Cluster::with_source(tag, TestDb::create(&format!("{tag}_src")).await).await
+    }
+
+    /// A cluster whose source database is `source` (e.g. on a private server).
+    pub async fn with_source(tag: &str, source: TestDb) -> Cluster {
         Cluster {
-            source: TestDb::create(&format!("{tag}_src")).await,
+            source,
             target: TestDb::create(&format!("{tag}_dst")).await,
             control: TestDb::create(&format!("{tag}_ctl")).await,
             etcd: Etcd::start(),
@@ -432,7 +495,11 @@ open_transaction_bound = {bound}
             ttl = task.lease_ttl,
             retention = task.staging_retention,
             coordinator_extra = task.coordinator_extra,
-            source = self.source.url,
+            source = if task.source_url.is_empty() {
+                &self.source.url
+            } else {
+                &task.source_url
+            },
             source_table = task.source_table,
             target_table = if task.target_table.is_empty() {
                 &task.source_table
@@ -494,6 +561,26 @@ open_transaction_bound = {bound}
             assert!(Instant::now() < deadline, "coordinator did not answer within 60 s");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Starts the coordinator on `task` expecting it to refuse: it must exit non-zero within
+    /// 60 s. Returns its log.
+    pub fn refused_start(&mut self, task: &TaskSettings) -> String {
+        let config = self.write_config(task);
+        let mut coordinator = Process::spawn(
+            "refused-coordinator",
+            &binary("tidemark-coordinator"),
+            &["serve", "--config", config.to_str().unwrap()],
+            &[],
+            &self.dir.0,
+        );
+        let status = coordinator.wait_exit(Duration::from_secs(60));
+        let log = coordinator.log_text();
+        assert!(
+            status.is_some_and(|s| !s.success()),
+            "the coordinator was expected to refuse the task; status {status:?}, log:\n{log}"
+        );
+        log
     }
 
     pub fn spawn_worker(&mut self, id: &str, max_shards: u32, env: &[(&str, &str)]) -> usize {

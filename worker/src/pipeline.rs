@@ -15,6 +15,7 @@ use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::crash;
 use tidemark_common::cursor::{Cursor, KeyValue, Position, ShardRange};
 use tidemark_common::pg::deletes::LogUpper;
+use tidemark_common::pg::visibility;
 use tidemark_common::pg::{Column, DeleteSource, DeleteSql, TableName, TableSql};
 use tidemark_proto::v1 as pb;
 use tokio::sync::watch;
@@ -26,7 +27,7 @@ use crate::apply::{ApplyOutcome, BatchToApply, OverlapRegion, TaskWrite, apply_b
 use crate::client::CoordinatorClient;
 use crate::error::WorkerError;
 use crate::resources::TaskResources;
-use crate::source::{Page, can_see_all_transactions, oldest_open_transaction_micros, read_page, source_now_micros};
+use crate::source::{Page, read_page, source_now_micros};
 
 /// Everything a shard loop knows; `cursor` and `version` follow its own commits.
 pub struct ShardRun {
@@ -44,8 +45,8 @@ pub struct ShardRun {
     /// How rows reach the target (the upsert, or an accumulate task's transform).
     pub write: TaskWrite,
     pub resources: TaskResources,
-    /// Whether the source lets us see every open transaction (checked once per run).
-    sees_all_transactions: Option<bool>,
+    /// The last reason the open-transaction bound held the watermark (logged when it changes).
+    bound_hold: Option<String>,
     /// The coordinator asked for the shard back (a move, split, merge or drain).
     release_requested: bool,
     /// The next page, read while the previous one was applied.
@@ -205,7 +206,7 @@ impl ShardRun {
             write,
             resources,
             task,
-            sees_all_transactions: None,
+            bound_hold: None,
             release_requested: false,
             prefetched: None,
         })
@@ -372,12 +373,11 @@ impl ShardRun {
                 ..
             } => {
                 let floor = *floor_micros;
-                let high = self.read_window_high().await?;
-                if high <= floor {
+                match self.read_window_high().await? {
+                    Some(high) if high > floor => Some(high),
                     // Nothing new can be read yet; the watermark never moves back.
-                    return Ok(None);
+                    _ => return Ok(None),
                 }
-                Some(high)
             }
             _ => None,
         };
@@ -820,30 +820,37 @@ impl ShardRun {
     }
 
     /// `high = min(source now − safety_delay, start of the oldest open source transaction)`.
-    /// Without the privilege to see other roles' transactions, only the overlap protects
-    /// against late commits (warned once per shard run).
-    async fn read_window_high(&mut self) -> Result<i64, WorkerError> {
+    /// `None` holds the watermark where it is: while the bound cannot see every writer (the
+    /// coordinator's watcher pauses the task and names the fix), and while a prepared
+    /// transaction, whose start is unknown, is open.
+    async fn read_window_high(&mut self) -> Result<Option<i64>, WorkerError> {
         let source = &self.resources.source;
+        // The clock first: a transaction that starts after this reading writes times above it.
         let now = source_now_micros(source).await?;
-        let mut high = now - (self.task.safety_delay_ms as i64) * 1000;
-        if self.task.open_transaction_bound {
-            if self.sees_all_transactions.is_none() {
-                let sees_all = can_see_all_transactions(source).await?;
-                if !sees_all {
-                    tracing::warn!(
-                        task = %self.task.name,
-                        "the source role cannot see other roles' transactions (grant pg_monitor); \
-                         late commits are only caught by the overlap"
-                    );
-                }
-                self.sees_all_transactions = Some(sees_all);
-            }
-            if let Some(oldest) = oldest_open_transaction_micros(source).await? {
-                // Its rows may carry times rounded down to the cursor's precision.
-                high = high.min(oldest - self.sql.cursor_unit_micros());
-            }
+        let high = now - (self.task.safety_delay_ms as i64) * 1000;
+        if !self.task.open_transaction_bound {
+            return Ok(Some(high));
         }
-        Ok(high)
+        let (visibility, prepared) = visibility::read(source, &self.sql.source).await?;
+        let hold = visibility
+            .blind_spot(&self.sql.source)
+            .or_else(|| prepared.as_ref().map(visibility::prepared_hold));
+        if hold != self.bound_hold {
+            match &hold {
+                Some(reason) => {
+                    tracing::warn!(task = %self.task.name, shard = self.shard_id, %reason, "holding the watermark")
+                }
+                None => tracing::info!(task = %self.task.name, shard = self.shard_id, "the watermark moves again"),
+            }
+            self.bound_hold = hold.clone();
+        }
+        if hold.is_some() {
+            return Ok(None);
+        }
+        // Its rows may carry times rounded down to the cursor's precision.
+        Ok(Some(visibility.oldest_start_micros.map_or(high, |oldest| {
+            high.min(oldest - self.sql.cursor_unit_micros())
+        })))
     }
 
     async fn commit(

@@ -107,18 +107,3 @@ pub async fn source_now_micros(source: &PgPool) -> Result<i64, WorkerError> {
         .fetch_one(source)
         .await?)
 }
-
-/// The start of the oldest transaction still open on the source, if any.
-pub async fn oldest_open_transaction_micros(source: &PgPool) -> Result<Option<i64>, WorkerError> {
-    Ok(sqlx::query_scalar(pg::OLDEST_OPEN_TRANSACTION)
-        .fetch_one(source)
-        .await?)
-}
-
-/// Whether this session can see every session's transaction start.
-pub async fn can_see_all_transactions(source: &PgPool) -> Result<bool, WorkerError> {
-    Ok(sqlx::query_scalar::<_, Option<bool>>(pg::CAN_SEE_ALL_TRANSACTIONS)
-        .fetch_one(source)
-        .await?
-        .unwrap_or(false))
-}
