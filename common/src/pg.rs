@@ -37,6 +37,29 @@ pub fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
+/// PostgreSQL's identifier limit in bytes (NAMEDATALEN − 1); longer names are cut silently.
+pub const MAX_IDENTIFIER_BYTES: usize = 63;
+
+/// A name derived from a table's (`prefix + table + suffix`), never longer than an identifier
+/// may be. PostgreSQL would cut a longer one at 63 bytes, so that two long table names with
+/// a common beginning would share one delete log, trigger or tombstone table and corrupt
+/// each other. A name that does not fit keeps the start of the table's name and ends with 8
+/// hex digits of a hash of the whole name: bounded, and distinct for distinct tables. Names
+/// that fit are unchanged.
+pub fn derived_name(prefix: &str, table: &str, suffix: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let whole = format!("{prefix}{table}{suffix}");
+    if whole.len() <= MAX_IDENTIFIER_BYTES {
+        return whole;
+    }
+    let hash = &hex::encode(Sha256::digest(table.as_bytes()))[..8];
+    let mut room = MAX_IDENTIFIER_BYTES.saturating_sub(prefix.len() + suffix.len() + hash.len() + 1);
+    while !table.is_char_boundary(room) {
+        room -= 1;
+    }
+    format!("{prefix}{}_{hash}{suffix}", &table[..room])
+}
+
 /// `schema.table` or `table` (schema `public`), as written in config.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableName {
@@ -412,7 +435,7 @@ impl TableSql {
 
     /// The session-local staging table a batch is copied into before the upsert.
     pub fn stage_table(&self) -> String {
-        quote_ident(&format!("tidemark_stage_{}", self.target.name))
+        quote_ident(&derived_name("tidemark_stage_", &self.target.name, ""))
     }
 
     /// The stage table has the target's columns without their constraints (a tombstone
@@ -512,10 +535,11 @@ impl TableSql {
         }
         if let Some(deletes) = &self.deletes {
             if repair {
-                // The source has these rows live now: a kept tombstone no newer than the row
-                // (e.g. a tie of cursor times) must not keep them out.
+                // The source holds these rows live now, so any kept tombstone of their keys is
+                // stale (a tie of cursor times, a re-insert with a lower version): lift it, or
+                // it would keep the repaired row out while the run counts it repaired.
                 statements.push(format!(
-                    "DELETE FROM {tombs} d USING {stage} s WHERE {on} AND NOT s.{deleted} AND d.{version} <= s.{version}",
+                    "DELETE FROM {tombs} d USING {stage} s WHERE {on} AND NOT s.{deleted}",
                     tombs = deletes.tombstones.quoted(),
                     on = self.keys_equal("d", "s"),
                     deleted = quote_ident(DELETED_COLUMN),
@@ -770,6 +794,33 @@ mod tests {
         assert_eq!(timestamp_unit_micros("timestamp(3) with time zone"), 1_000);
         assert_eq!(timestamp_unit_micros("timestamp(0) without time zone"), 1_000_000);
         assert_eq!(timestamp_unit_micros("timestamp with time zone"), 1);
+    }
+
+    #[test]
+    fn derived_names_are_bounded_and_distinct() {
+        assert_eq!(
+            derived_name("tidemark_tombstones_", "items", ""),
+            "tidemark_tombstones_items"
+        );
+        let a = "orders_archive_for_the_european_customers_of_fiscal_year_2025";
+        let b = "orders_archive_for_the_european_customers_of_fiscal_year_2026";
+        let (da, db) = (
+            derived_name("", a, "_tidemark_deletes"),
+            derived_name("", b, "_tidemark_deletes"),
+        );
+        assert_ne!(da, db);
+        assert!(
+            da.len() <= MAX_IDENTIFIER_BYTES && db.len() <= MAX_IDENTIFIER_BYTES,
+            "{da} {db}"
+        );
+        assert!(
+            da.ends_with("_tidemark_deletes") && da.starts_with("orders_archive"),
+            "{da}"
+        );
+        // Multi-byte characters are never split.
+        let wide = "ä".repeat(40);
+        let name = derived_name("tidemark_tombstones_", &wide, "");
+        assert!(name.len() <= MAX_IDENTIFIER_BYTES, "{name}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use tidemark_common::config::{
 };
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, plan_ranges};
-use tidemark_common::pg::deletes::delete_log_table;
+use tidemark_common::pg::deletes::{delete_log_table, truncate_log_table};
 use tidemark_common::pg::{
     self, Column, DeleteSql, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient, quote_ident,
     visibility,
@@ -287,17 +287,21 @@ async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorEr
         )));
     }
     if let Some(DeletePolicy::TombstoneTable { .. }) = &config.delete_policy {
-        let log = delete_log_table(&table);
-        let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
-            .bind(log.quoted())
-            .fetch_one(&pool)
-            .await
-            .map_err(|e| setup(format!("source table {log}: {e}")))?;
-        if exists.is_none() {
-            return Err(setup(format!(
-                "delete_policy tombstone_table: the delete log {log} does not exist; run \
-                 `tidemark-coordinator source install --task {task}` first"
-            )));
+        for (log, what) in [
+            (delete_log_table(&table), "the delete log"),
+            (truncate_log_table(&table), "the TRUNCATE log"),
+        ] {
+            let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+                .bind(log.quoted())
+                .fetch_one(&pool)
+                .await
+                .map_err(|e| setup(format!("source table {log}: {e}")))?;
+            if exists.is_none() {
+                return Err(setup(format!(
+                    "delete_policy tombstone_table: {what} {log} does not exist; run \
+                     `tidemark-coordinator source install --task {task}` (again, after an upgrade)"
+                )));
+            }
         }
     }
     if config.open_transaction_bound {

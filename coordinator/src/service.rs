@@ -858,6 +858,20 @@ impl AdminService for CoordinatorService {
         self.inner.leadership.require().await?;
         let request = request.into_inner();
         self.task(&request.task)?;
+        if let Some(reason) = self.inner.control.paused_reason(&request.task).await?
+            && crate::watcher::requires_reinitialization(&reason)
+        {
+            // Resuming would carry the old epoch on past what it can no longer see.
+            return Err(CoordinatorError::task_setup(
+                &request.task,
+                format!(
+                    "cannot resume a task paused for `reinitialization required` ({reason}); run \
+                     `tidemark-coordinator tasks reinit {}`",
+                    request.task
+                ),
+            )
+            .into());
+        }
         self.inner.control.resume_task(&request.task).await?;
         tracing::info!(task = %request.task, "task resumed");
         Ok(Response::new(pb::TaskResponse {}))

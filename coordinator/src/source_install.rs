@@ -4,8 +4,8 @@
 //! with its purge function. Every step is idempotent.
 
 use tidemark_common::config::{DeletePolicy, TRIGGER_VERSION_COLUMN, TaskConfig, VersionConfig};
-use tidemark_common::pg::deletes::delete_log_table;
-use tidemark_common::pg::{TableName, quote_ident, timestamp_unit_micros};
+use tidemark_common::pg::deletes::{delete_log_table, truncate_log_table};
+use tidemark_common::pg::{TableName, derived_name, quote_ident, timestamp_unit_micros};
 
 use crate::error::CoordinatorError;
 use crate::planner::{connect_database, introspect};
@@ -45,7 +45,7 @@ fn version_sequence(table: &TableName) -> String {
     format!(
         "{}.{}",
         quote_ident(&table.schema),
-        quote_ident(&format!("{}_tidemark_version_seq", table.name))
+        quote_ident(&derived_name("", &table.name, "_tidemark_version_seq"))
     )
 }
 
@@ -54,7 +54,7 @@ pub fn purge_function(table: &TableName) -> String {
     format!(
         "{}.{}",
         quote_ident(&table.schema),
-        quote_ident(&format!("tidemark_purge_{}", table.name))
+        quote_ident(&derived_name("tidemark_purge_", &table.name, ""))
     )
 }
 
@@ -106,10 +106,17 @@ async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorEr
     let function = format!(
         "{}.{}",
         quote_ident(&table.schema),
-        quote_ident(&format!("tidemark_log_delete_{}", table.name))
+        quote_ident(&derived_name("tidemark_log_delete_", &table.name, ""))
     );
-    let trigger = quote_ident(&format!("tidemark_deletes_{}", table.name));
-    let key_trigger = quote_ident(&format!("tidemark_key_changes_{}", table.name));
+    let trigger = quote_ident(&derived_name("tidemark_deletes_", &table.name, ""));
+    let key_trigger = quote_ident(&derived_name("tidemark_key_changes_", &table.name, ""));
+    let truncates = truncate_log_table(&table);
+    let truncate_function = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&derived_name("tidemark_log_truncate_", &table.name, ""))
+    );
+    let truncate_trigger = quote_ident(&derived_name("tidemark_truncates_", &table.name, ""));
     let key_changed: Vec<String> = keys
         .iter()
         .map(|k| format!("OLD.{k} IS DISTINCT FROM NEW.{k}"))
@@ -122,7 +129,7 @@ async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorEr
         ),
         format!(
             "CREATE INDEX IF NOT EXISTS {} ON {} (deleted_at, {})",
-            quote_ident(&format!("{}_position", log.name)),
+            quote_ident(&derived_name("", &log.name, "_position")),
             log.quoted(),
             keys.join(", ")
         ),
@@ -144,6 +151,22 @@ async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorEr
             table.quoted(),
             key_changed.join(" OR ")
         ),
+        // TRUNCATE fires no row trigger: a statement trigger records it, and the coordinator
+        // pauses the task with `reinitialization required`.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} (truncated_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+            truncates.quoted()
+        ),
+        format!(
+            "CREATE OR REPLACE FUNCTION {truncate_function}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+             INSERT INTO {} DEFAULT VALUES; RETURN NULL; END $$",
+            truncates.quoted()
+        ),
+        format!("DROP TRIGGER IF EXISTS {truncate_trigger} ON {}", table.quoted()),
+        format!(
+            "CREATE TRIGGER {truncate_trigger} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {truncate_function}()",
+            table.quoted()
+        ),
         format!(
             "CREATE OR REPLACE FUNCTION {}(cutoff timestamptz) RETURNS bigint LANGUAGE sql AS $$ \
              WITH gone AS (DELETE FROM {} WHERE deleted_at < cutoff RETURNING 1) SELECT count(*) FROM gone $$",
@@ -155,7 +178,8 @@ async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorEr
         .await
         .map_err(|e| setup(format!("installing the delete log on {table}: {e}")))?;
     Ok(format!(
-        "task {task}: deletes from {table} are logged in {log} by trigger {trigger}; {} purges entries",
+        "task {task}: deletes from {table} are logged in {log} by trigger {trigger}, TRUNCATEs in {truncates}; {} \
+         purges entries",
         purge_function(&table)
     ))
 }
@@ -178,9 +202,9 @@ pub async fn install_trigger_version(config: &TaskConfig) -> Result<String, Coor
     let function = format!(
         "{}.{}",
         quote_ident(&table.schema),
-        quote_ident(&format!("tidemark_version_{}", table.name))
+        quote_ident(&derived_name("tidemark_version_", &table.name, ""))
     );
-    let trigger = quote_ident(&format!("tidemark_version_{}", table.name));
+    let trigger = quote_ident(&derived_name("tidemark_version_", &table.name, ""));
     let has_column = columns.iter().any(|c| c.column.name == TRIGGER_VERSION_COLUMN);
     let mut statements = vec![format!("CREATE SEQUENCE IF NOT EXISTS {qualified_sequence}")];
     if !has_column {

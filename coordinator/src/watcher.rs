@@ -17,7 +17,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::config::DeletePolicy;
 use tidemark_common::cursor::format_micros;
 use tidemark_common::duration::format_duration;
-use tidemark_common::pg::{self, TableName, connect_options, quote_ident, visibility};
+use tidemark_common::pg::{self, TableName, connect_options, deletes, quote_ident, visibility};
 
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
@@ -53,6 +53,7 @@ async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Res
         .await?;
     if let Some(DeletePolicy::TombstoneTable { retention }) = &task.config.delete_policy {
         enforce_retention(control, task, source, now, *retention).await?;
+        check_truncation(control, task, source).await?;
     }
     if control.paused_reason(name).await?.is_some() {
         return Ok(());
@@ -192,6 +193,38 @@ async fn enforce_retention(
         tracing::info!(task = name, purged, cutoff = %format_micros(cutoff), "purged delete-log entries past retention");
     }
     Ok(())
+}
+
+/// A TRUNCATE of the source table since the epoch's start bound removed rows the delete log
+/// never saw: the target still holds them, so the task pauses with `reinitialization
+/// required` (the new epoch's snapshot and reconciliation remove them).
+async fn check_truncation(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Result<(), CoordinatorError> {
+    let name = task.config.name.as_str();
+    let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
+    let truncated: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(deletes::last_truncate_query(&table)))
+        .fetch_one(source)
+        .await?;
+    let start = control
+        .current_epoch(name)
+        .await?
+        .and_then(|e| e.incremental_start.incremental_time());
+    if let (Some(truncated), Some(start)) = (truncated, start)
+        && truncated >= start
+    {
+        let reason = format!(
+            "reinitialization required: {table} was truncated at {} (TRUNCATE bypasses the delete log, so the \
+             target still holds the removed rows); run `tidemark-coordinator tasks reinit {name}`",
+            format_micros(truncated)
+        );
+        pause(control, name, &reason).await?;
+    }
+    Ok(())
+}
+
+/// Whether a pause reason says that only a new epoch can continue the task (`tasks resume`
+/// refuses it and names `tasks reinit`).
+pub fn requires_reinitialization(reason: &str) -> bool {
+    reason.to_lowercase().contains("reinitialization required")
 }
 
 async fn pause(control: &ControlDb, task: &str, reason: &str) -> Result<(), CoordinatorError> {

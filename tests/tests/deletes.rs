@@ -581,3 +581,223 @@ async fn windowed_reconcile_measures_its_window_by_the_source_clock() {
         .unwrap();
     assert_eq!(name, "item 900", "the drifted row was repaired to the source's");
 }
+
+/// A task on the fixture with the delete log (`source install`), one worker, snapshot done.
+async fn delete_log_cluster(tag: &str, extra: &str) -> Cluster {
+    let mut cluster = Cluster::new(tag).await;
+    create_fixture(&cluster.source, 1_000).await;
+    let settings = TaskSettings {
+        shards: 2,
+        extra: format!("delete_policy = {{ kind = \"tombstone_table\", retention = \"1h\" }}\n{extra}"),
+        ..TaskSettings::default()
+    };
+    cluster.write_config(&settings);
+    cluster.source_install();
+    cluster.start(&settings).await;
+    cluster.spawn_worker(&format!("{tag}-w"), 2, &[]);
+    cluster
+        .wait_for("snapshot done", Duration::from_secs(60), |t| t.snapshot_complete)
+        .await;
+    cluster
+}
+
+/// S20: a key deleted and inserted again (in one transaction; by a transaction that began
+/// before the delete; by `WITH d AS (DELETE …) INSERT …`) arrives live, though its delete-log
+/// entry carries a version above the re-inserted row's. A plain delete still deletes. Then a
+/// kept tombstone that wrongly covers a live key (as left by an older version, or a tie of
+/// cursor times) is lifted by reconciliation, and the key is really back.
+async fn re_inserted_keys_arrive(tag: &str, extra: &str, source_version: &str, soft_target: bool) {
+    let cluster = delete_log_cluster(tag, extra).await;
+    let row = |id: i64, name: &str| format!("INSERT INTO items VALUES ({id}, '{name} {id}', 7, now(), NULL)");
+    cluster
+        .source
+        .exec(&format!(
+            "BEGIN; DELETE FROM items WHERE id = 5; {}; COMMIT",
+            row(5, "same transaction")
+        ))
+        .await;
+    let mut older = cluster.source.pool.begin().await.unwrap();
+    sqlx::query("SELECT now()").execute(&mut *older).await.unwrap();
+    cluster.source.exec("DELETE FROM items WHERE id = 6").await;
+    sqlx::query(sqlx::AssertSqlSafe(row(6, "older transaction")))
+        .execute(&mut *older)
+        .await
+        .unwrap();
+    older.commit().await.unwrap();
+    cluster
+        .source
+        .exec(
+            "WITH d AS (DELETE FROM items WHERE id IN (7, 8) RETURNING id) \
+             INSERT INTO items SELECT id, 'cte ' || id, 2, now(), NULL FROM d",
+        )
+        .await;
+    cluster.source.exec("DELETE FROM items WHERE id IN (9, 10)").await;
+    let end = source_now(&cluster.source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    assert_expected(
+        &cluster,
+        "true",
+        source_version,
+        soft_target,
+        &format!("{tag}: re-inserts"),
+    )
+    .await;
+    for id in [5, 6, 7, 8] {
+        assert!(target_name(&cluster, id).await.is_some(), "{tag}: key {id} is live");
+    }
+
+    // A stale kept tombstone far above the row's version hides key 11 from every upsert.
+    cluster
+        .target
+        .exec(
+            "INSERT INTO tidemark_tombstones_items (id, _tidemark_version) VALUES (11, 9000000000000000) \
+             ON CONFLICT (id) DO UPDATE SET _tidemark_version = EXCLUDED._tidemark_version; \
+             DELETE FROM items WHERE id = 11",
+        )
+        .await;
+    let run = cluster.reconcile(&["--full"]);
+    assert_eq!(run["keys_repaired"], 1, "{tag}: {run}");
+    assert_eq!(
+        target_name(&cluster, 11).await.as_deref(),
+        Some("item 11"),
+        "{tag}: the repair lifted the stale tombstone"
+    );
+    let again = cluster.reconcile(&["--full"]);
+    assert_eq!(again["keys_repaired"], 0, "{tag}: nothing left to repair: {again}");
+    assert_expected(
+        &cluster,
+        "true",
+        source_version,
+        soft_target,
+        &format!("{tag}: after repair"),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn re_inserted_keys_beat_their_delete_log_entries_with_cursor_versions() {
+    re_inserted_keys_arrive("reins_cursor", "", CURSOR_VERSION, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn re_inserted_keys_beat_their_delete_log_entries_with_trigger_versions_in_a_soft_target() {
+    re_inserted_keys_arrive(
+        "reins_trigger",
+        "version = \"trigger\"\ntarget_deletes = \"soft\"",
+        "tidemark_row_version",
+        true,
+    )
+    .await;
+}
+
+/// S21 and S26: TRUNCATE fires no row trigger. The task pauses with `reinitialization
+/// required`, `tasks resume` is refused and names `tasks reinit`, and after the reinit the
+/// target holds exactly what the source holds (rows inserted after the TRUNCATE).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_pauses_the_task_and_reinit_converges() {
+    let cluster = delete_log_cluster("truncate", "").await;
+    cluster.source.exec("TRUNCATE items").await;
+    cluster
+        .source
+        .exec(
+            "INSERT INTO items SELECT g, 'after ' || g, 1, clock_timestamp(), NULL FROM generate_series(5001, 5010) g",
+        )
+        .await;
+    let paused = cluster
+        .wait_for("paused by the TRUNCATE", Duration::from_secs(30), |t| {
+            t.phase == "paused"
+        })
+        .await;
+    assert!(
+        paused.paused_reason.contains("truncated") && paused.paused_reason.contains("tasks reinit items"),
+        "{}",
+        paused.paused_reason
+    );
+    let (ok, _, stderr) = cluster.cli(&["tasks", "resume", "items", "--coordinator", &cluster.address]);
+    assert!(!ok, "resume after `reinitialization required` must be refused");
+    assert!(
+        stderr.contains("tasks reinit items"),
+        "the refusal names the fix: {stderr}"
+    );
+    assert_eq!(cluster.task_status().await.phase, "paused");
+
+    let (ok, stdout, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
+    assert!(ok, "reinit: {stderr}");
+    assert!(stdout.contains("epoch 2"), "{stdout}");
+    let now = source_now(&cluster.source).await;
+    cluster
+        .wait_for("epoch 2 converged and reconciled", Duration::from_secs(90), |t| {
+            t.epoch == 2
+                && t.phase == "incremental"
+                && t.watermark_micros.is_some_and(|w| w > now)
+                && t.last_reconcile
+                    .as_ref()
+                    .is_some_and(|r| r.reason == "reinit" && r.finished)
+        })
+        .await;
+    assert_expected(&cluster, "true", CURSOR_VERSION, false, "after the TRUNCATE and reinit").await;
+    assert_eq!(target_name(&cluster, 1).await, None, "truncated rows are gone");
+}
+
+/// S22: two tables whose derived names (`<table>_tidemark_deletes`, the trigger function,
+/// the purge function) would be cut to the same 63 bytes. Each gets its own delete log, and
+/// deletes in the other table never reach this task's target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_table_names_never_share_derived_objects() {
+    const LONG: &str = "orders_archive_for_the_european_customers_of_fiscal_year_2025";
+    const OTHER: &str = "orders_archive_for_the_european_customers_of_fiscal_year_2026";
+    let mut cluster = Cluster::new("longnames").await;
+    for table in [LONG, OTHER] {
+        cluster
+            .source
+            .exec(&format!(
+                "CREATE TABLE {table} (id bigint PRIMARY KEY, name text NOT NULL, qty integer NOT NULL,
+                                       updated_at timestamptz(3) NOT NULL, deleted_at timestamptz);
+                 INSERT INTO {table} SELECT g, 'item ' || g, g % 100, clock_timestamp(), NULL FROM generate_series(1, 300) g"
+            ))
+            .await;
+    }
+    let settings = |table: &str| TaskSettings {
+        source_table: format!("public.{table}"),
+        target_table: "public.items".into(),
+        shards: 2,
+        extra: "delete_policy = { kind = \"tombstone_table\", retention = \"1h\" }".into(),
+        ..TaskSettings::default()
+    };
+    // Install for the other table first, then for this task's.
+    cluster.write_config(&settings(OTHER));
+    cluster.source_install();
+    cluster.write_config(&settings(LONG));
+    cluster.source_install();
+    cluster.start(&settings(LONG)).await;
+    cluster.spawn_worker("longnames-w", 2, &[]);
+    cluster
+        .wait_for("snapshot done", Duration::from_secs(60), |t| t.snapshot_complete)
+        .await;
+    cluster
+        .source
+        .exec(&format!("DELETE FROM {OTHER} WHERE id <= 100"))
+        .await;
+    cluster.source.exec(&format!("DELETE FROM {LONG} WHERE id > 290")).await;
+    let end = source_now(&cluster.source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    let expected = key_states(&cluster.source.pool, LONG, &["id"], COLUMNS, CURSOR_VERSION).await;
+    let actual = key_states(&cluster.target.pool, "items", &["id"], COLUMNS, "_tidemark_version").await;
+    assert_eq!(expected.len(), 290);
+    assert_eq!(
+        actual, expected,
+        "the target is this table, per key: no delete of the other table reached it"
+    );
+    let derived: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT relname::text FROM pg_class WHERE relkind = 'r' AND relname LIKE 'orders_archive%' \
+         AND relname NOT IN ('{LONG}', '{OTHER}') ORDER BY 1"
+    )))
+    .fetch_all(&cluster.source.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        derived.len(),
+        4,
+        "a delete log and a TRUNCATE log per table: {derived:?}"
+    );
+}

@@ -75,7 +75,7 @@ impl AccumulateSql<'_> {
     }
 
     pub fn delta_table(&self) -> String {
-        quote_ident(&format!("tidemark_delta_{}", self.table.target.name))
+        quote_ident(&super::derived_name("tidemark_delta_", &self.table.target.name, ""))
     }
 
     /// Group columns typed as the target's (a value the target rejects fails its COPY), the

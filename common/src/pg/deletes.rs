@@ -25,19 +25,38 @@ pub struct DeleteSql {
     pub tombstones: TableName,
 }
 
-/// The delete log's name for a source table: `<table>_tidemark_deletes`, same schema.
+/// The delete log's name for a source table: `<table>_tidemark_deletes`, same schema (see
+/// [`super::derived_name`] for long names).
 pub fn delete_log_table(source: &TableName) -> TableName {
     TableName {
         schema: source.schema.clone(),
-        name: format!("{}_tidemark_deletes", source.name),
+        name: super::derived_name("", &source.name, "_tidemark_deletes"),
     }
+}
+
+/// Where the source's `TRUNCATE`s of a table are recorded: `<table>_tidemark_truncates`
+/// (`truncated_at`), fed by a statement trigger. A TRUNCATE removes rows without firing the
+/// row trigger that feeds the delete log, so the target would keep every row.
+pub fn truncate_log_table(source: &TableName) -> TableName {
+    TableName {
+        schema: source.schema.clone(),
+        name: super::derived_name("", &source.name, "_tidemark_truncates"),
+    }
+}
+
+/// The latest recorded TRUNCATE of the source table (microseconds), from [`truncate_log_table`].
+pub fn last_truncate_query(source: &TableName) -> String {
+    format!(
+        "SELECT (extract(epoch from max(truncated_at)) * 1000000)::bigint FROM {}",
+        truncate_log_table(source).quoted()
+    )
 }
 
 /// The kept-tombstone table for a target table: `tidemark_tombstones_<table>`, same schema.
 pub fn tombstone_table(target: &TableName) -> TableName {
     TableName {
         schema: target.schema.clone(),
-        name: format!("tidemark_tombstones_{}", target.name),
+        name: super::derived_name("tidemark_tombstones_", &target.name, ""),
     }
 }
 
@@ -217,8 +236,19 @@ impl TableSql {
         list.push(format!("{}::bigint", quote_ident("version")));
         list.push(format!("(extract(epoch from {deleted_at}) * 1000000)::bigint"));
         list.push("true".to_string());
+        // A key the source holds again was re-inserted after its delete (in the same
+        // transaction, by one that began earlier, or by `WITH d AS (DELETE …) INSERT …`): the
+        // entry is stale and the live row arrives by its cursor. Were the tombstone applied,
+        // its version (taken after the re-insert's cursor time or its BEFORE trigger) would
+        // keep the re-inserted row out. The open-transaction bound keeps an entry unread while
+        // a transaction that could still re-insert its key is open.
+        conditions.push(format!(
+            "NOT EXISTS (SELECT 1 FROM {} t WHERE {})",
+            self.source.quoted(),
+            self.keys_equal("t", "l")
+        ));
         format!(
-            "COPY (SELECT {} FROM {} WHERE {} ORDER BY {deleted_at}, {} LIMIT {limit}) TO STDOUT{}",
+            "COPY (SELECT {} FROM {} l WHERE {} ORDER BY {deleted_at}, {} LIMIT {limit}) TO STDOUT{}",
             list.join(", "),
             log.quoted(),
             conditions.join(" AND "),
