@@ -128,6 +128,10 @@ pub struct TaskConfig {
     /// now; unset: the whole table.
     #[serde(default, with = "serde_human_option")]
     pub reconcile_window: Option<Duration>,
+    /// What reconciliation compares per key: `content` (default: the version and every
+    /// column, so drift at an equal version is found) or `versions` (cheaper).
+    #[serde(default)]
+    pub reconcile_compare: ReconcileCompare,
     /// Clauses of the source contract the operator relies on; the coordinator refuses to
     /// start a task whose configuration cannot deliver one (see `contract`).
     #[serde(default)]
@@ -172,6 +176,32 @@ pub enum DeletePolicy {
         retention: Duration,
     },
     Reconcile {},
+}
+
+/// What a reconciliation compares per key (see `TaskConfig::reconcile_compare`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReconcileCompare {
+    #[default]
+    Content,
+    Versions,
+}
+
+impl ReconcileCompare {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ReconcileCompare::Content => "content",
+            ReconcileCompare::Versions => "versions",
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<ReconcileCompare, String> {
+        match text {
+            "content" => Ok(ReconcileCompare::Content),
+            "versions" => Ok(ReconcileCompare::Versions),
+            other => Err(format!("compare {other:?} is not \"content\" or \"versions\"")),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]

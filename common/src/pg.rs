@@ -517,7 +517,7 @@ impl TableSql {
     /// The statements that apply a staged batch, in order, inside its one transaction:
     /// (repair) replace rows whose target version the comparison saw, (deletes) record
     /// tombstones and delete or flag the rows they cover, then the versioned upsert.
-    pub fn apply_statements(&self, repair: bool) -> Vec<String> {
+    pub fn apply_statements(&self, repair: bool, read: Read) -> Vec<String> {
         let target = self.target.quoted();
         let stage = self.stage_table();
         let version = quote_ident(VERSION_COLUMN);
@@ -547,7 +547,7 @@ impl TableSql {
             }
             statements.extend(deletes.apply_tombstones(self));
         }
-        statements.push(self.upsert_from_stage());
+        statements.push(self.upsert_from_stage(read));
         statements
     }
 
@@ -560,7 +560,7 @@ impl TableSql {
     /// cycle's last `overlap` of changes; a replay repeats a batch) is left alone instead of
     /// rewritten: no new row version, no WAL. Only when every column's type has an equality
     /// operator (see [`has_equality`]); otherwise such rows are rewritten, which is harmless.
-    pub fn upsert_from_stage(&self) -> String {
+    pub fn upsert_from_stage(&self, read: Read) -> String {
         let mut columns = self.target_columns();
         let mut values: Vec<String> = columns.iter().map(|c| format!("s.{c}")).collect();
         let mut conditions = Vec::new();
@@ -583,7 +583,9 @@ impl TableSql {
         updated.sort_by_key(|c| **c != version);
         let updates: Vec<String> = updated.iter().map(|c| format!("{c} = EXCLUDED.{c}")).collect();
         let mut guard = format!("t.{version} <= EXCLUDED.{version}");
-        if self.columns.iter().all(|c| has_equality(&c.sql_type)) {
+        if read == Read::Earlier {
+            guard = format!("t.{version} < EXCLUDED.{version}");
+        } else if self.columns.iter().all(|c| has_equality(&c.sql_type)) {
             let side = |alias: &str| {
                 updated
                     .iter()
@@ -619,6 +621,20 @@ impl TableSql {
             updates = updates.join(", "),
         )
     }
+}
+
+/// How recent a write's rows are as reads of the source; it decides a tie of versions whose
+/// content differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Read {
+    /// A batch's rows are the latest read of their keys: a shard's batches apply in the order
+    /// they were read, a replay repeats the latest (and the ledger makes it a no-op), and a
+    /// zombie's batch is refused at register. At an equal version they replace other content:
+    /// two updates within one unit of the cursor's precision leave the later one.
+    Latest,
+    /// A dead letter's payload was read before the rows applied since: at an equal version
+    /// the target's content stays, since it may be newer (a repair, a later read).
+    Earlier,
 }
 
 /// A table's columns in order: name, type as `format_type` prints it, whether the type is
@@ -855,7 +871,7 @@ mod tests {
 
     #[test]
     fn upsert_is_guarded_by_version() {
-        let sql = items().upsert_from_stage();
+        let sql = items().upsert_from_stage(Read::Latest);
         assert!(
             sql.contains("WHERE t.\"_tidemark_version\" <= EXCLUDED.\"_tidemark_version\""),
             "{sql}"
@@ -872,7 +888,13 @@ mod tests {
         );
         let mut with_json = items();
         with_json.columns[2].sql_type = "json".into();
-        assert!(!with_json.upsert_from_stage().contains("IS DISTINCT FROM"));
+        assert!(!with_json.upsert_from_stage(Read::Latest).contains("IS DISTINCT FROM"));
+        // A dead-letter retry never replaces a row of its own version.
+        assert!(
+            items()
+                .upsert_from_stage(Read::Earlier)
+                .contains("WHERE t.\"_tidemark_version\" < EXCLUDED.\"_tidemark_version\""),
+        );
     }
 
     #[test]

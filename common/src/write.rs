@@ -5,19 +5,21 @@
 use sqlx::PgConnection;
 
 use crate::dead_letters::Layout;
-use crate::pg::TableSql;
 use crate::pg::accumulate::AccumulateSql;
+use crate::pg::{Read, TableSql};
 use crate::transform::Deltas;
 
 /// Copies a COPY stream (in `layout`) into the session's stage table and applies them with the
 /// versioned upsert (and tombstones). `overlap = (floor, high)`: first report the lateness of
-/// rows below the watermark that the target lacks. Returns the rows copied and the lateness.
+/// rows below the watermark that the target lacks. `read`: how recent the rows are as reads
+/// (a batch's or a dead letter's; see [`Read`]). Returns the rows copied and the lateness.
 pub async fn upsert_rows(
     conn: &mut PgConnection,
     sql: &TableSql,
     layout: Layout,
     data: &[u8],
     overlap: Option<(i64, i64)>,
+    read: Read,
 ) -> Result<(u64, Vec<i64>), sqlx::Error> {
     sqlx::query(sqlx::AssertSqlSafe(sql.create_stage_table()))
         .execute(&mut *conn)
@@ -35,7 +37,7 @@ pub async fn upsert_rows(
         }
         None => Vec::new(),
     };
-    for statement in sql.apply_statements(layout.repair) {
+    for statement in sql.apply_statements(layout.repair, read) {
         sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&mut *conn).await?;
     }
     Ok((copied, late))

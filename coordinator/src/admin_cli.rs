@@ -395,6 +395,7 @@ pub async fn reconcile(
     addresses: &str,
     task: String,
     since: Option<String>,
+    compare: Option<String>,
     no_wait: bool,
     json: bool,
 ) -> anyhow::Result<()> {
@@ -402,7 +403,11 @@ pub async fn reconcile(
         .map(|text| tidemark_common::duration::parse_duration(&text).map(|d| d.as_millis() as u64))
         .transpose()
         .map_err(|e| anyhow!("--since: {e}"))?;
-    let request = pb::ReconcileRequest { task, window_ms };
+    let request = pb::ReconcileRequest {
+        task,
+        window_ms,
+        compare: compare.unwrap_or_default(),
+    };
     let mut run = admin(addresses, |mut c| {
         let request = request.clone();
         async move { c.reconcile(request).await }

@@ -16,7 +16,7 @@ use sqlx::postgres::PgPool;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::dead_letters::{self, Layout, STALE_CLAIM_SECS};
 use tidemark_common::pg::accumulate::AccumulateSql;
-use tidemark_common::pg::{Column, TableSql};
+use tidemark_common::pg::{Column, Read, TableSql};
 use tidemark_common::transform::{Deltas, RowError, RowTransform};
 use tidemark_common::write;
 use tidemark_proto::v1 as pb;
@@ -140,7 +140,8 @@ impl Writer {
                     }
                     _ => (letter.payload.to_vec(), letter.layout),
                 };
-                write::upsert_rows(conn, sql, layout, &layout.stream(&payload), None)
+                // The letter's payload is an old read: it never replaces a row of its version.
+                write::upsert_rows(conn, sql, layout, &layout.stream(&payload), None, Read::Earlier)
                     .await
                     .map_err(classify)?;
             }

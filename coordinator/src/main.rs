@@ -90,8 +90,9 @@ enum Command {
         #[command(subcommand)]
         action: SourceAction,
     },
-    /// Compare source and target per key range (hashes of key and version computed inside each
-    /// database) and repair what differs through the batch protocol; waits for the result.
+    /// Compare source and target per key range (hashes of key, version and content computed
+    /// inside each database) and repair what differs through the batch protocol; waits for the
+    /// result.
     Reconcile {
         #[arg(long)]
         task: String,
@@ -104,6 +105,10 @@ enum Command {
         /// Return once the run is started instead of waiting for it.
         #[arg(long)]
         no_wait: bool,
+        /// `content` (the version and every column) or `versions` (cheaper, blind to drift
+        /// at an equal version); default: the task's `reconcile_compare`.
+        #[arg(long, value_parser = ["content", "versions"])]
+        compare: Option<String>,
         #[command(flatten)]
         target: Target,
         #[arg(long)]
@@ -456,9 +461,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
             since,
             full: _,
             no_wait,
+            compare,
             target,
             json,
-        } => admin_cli::reconcile(&target.coordinator, task, since, no_wait, json).await,
+        } => admin_cli::reconcile(&target.coordinator, task, since, compare, no_wait, json).await,
     }
 }
 

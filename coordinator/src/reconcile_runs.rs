@@ -5,6 +5,8 @@
 use sqlx::{Acquire, Row};
 use tidemark_proto::v1 as pb;
 
+use tidemark_common::config::ReconcileCompare;
+
 use crate::checkpoints::{ControlDb, ShardKey};
 use crate::error::CoordinatorError;
 
@@ -23,8 +25,8 @@ const RUN_SELECT: &str = "SELECT r.id, r.task, r.epoch, r.reason, r.since_micros
      count(s.shard_id), count(s.shard_id) FILTER (WHERE s.state = 'DONE'), \
      coalesce(sum(s.ranges_compared), 0)::bigint, coalesce(sum(s.rows_read), 0)::bigint, \
      coalesce(sum(s.keys_repaired), 0)::bigint, coalesce(sum(s.extra_in_target), 0)::bigint, \
-     coalesce((extract(epoch from (coalesce(r.finished_at, now()) - r.requested_at)) * 1000)::bigint, 0) \
-     FROM reconcile_runs r LEFT JOIN reconcile_shards s ON s.run_id = r.id";
+     coalesce((extract(epoch from (coalesce(r.finished_at, now()) - r.requested_at)) * 1000)::bigint, 0), \
+     r.compare FROM reconcile_runs r LEFT JOIN reconcile_shards s ON s.run_id = r.id";
 
 fn run_from_row(row: &sqlx::postgres::PgRow) -> pb::ReconcileRun {
     pb::ReconcileRun {
@@ -42,6 +44,7 @@ fn run_from_row(row: &sqlx::postgres::PgRow) -> pb::ReconcileRun {
         keys_repaired: row.get::<i64, _>(11) as u64,
         extra_in_target: row.get::<i64, _>(12) as u64,
         duration_ms: row.get::<i64, _>(13).max(0) as u64,
+        compare: row.get(14),
     }
 }
 
@@ -52,15 +55,17 @@ impl ControlDb {
         task: &str,
         reason: &str,
         since_micros: Option<i64>,
+        compare: ReconcileCompare,
     ) -> Result<u64, CoordinatorError> {
         let mut tx = self.pool().begin().await?;
         let id: i64 = sqlx::query_scalar(
-            "INSERT INTO reconcile_runs (task, epoch, reason, since_micros) \
-             SELECT name, current_epoch, $2, $3 FROM tasks WHERE name = $1 RETURNING id",
+            "INSERT INTO reconcile_runs (task, epoch, reason, since_micros, compare) \
+             SELECT name, current_epoch, $2, $3, $4 FROM tasks WHERE name = $1 RETURNING id",
         )
         .bind(task)
         .bind(reason)
         .bind(since_micros)
+        .bind(compare.as_str())
         .fetch_optional(&mut *tx)
         .await?
         .ok_or_else(|| CoordinatorError::UnknownTask(task.to_string()))?;
@@ -79,7 +84,7 @@ impl ControlDb {
     /// The oldest pending part of a run for this shard.
     pub async fn next_reconcile(&self, shard: &ShardKey) -> Result<Option<pb::ReconcileOrder>, CoordinatorError> {
         let row = sqlx::query(
-            "SELECT r.id, r.since_micros FROM reconcile_runs r JOIN reconcile_shards s ON s.run_id = r.id \
+            "SELECT r.id, r.since_micros, r.compare = 'versions' FROM reconcile_runs r JOIN reconcile_shards s ON s.run_id = r.id \
              WHERE r.task = $1 AND r.epoch = $2 AND s.shard_id = $3 AND s.state = 'PENDING' ORDER BY r.id LIMIT 1",
         )
         .bind(&shard.task)
@@ -90,6 +95,7 @@ impl ControlDb {
         Ok(row.map(|row| pb::ReconcileOrder {
             run_id: row.get::<i64, _>(0) as u64,
             since_micros: row.get(1),
+            versions_only: row.get(2),
         }))
     }
 

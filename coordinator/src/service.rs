@@ -9,7 +9,7 @@ use tidemark_proto::v1::admin_service_server::AdminService;
 use tidemark_proto::v1::worker_service_server::WorkerService;
 use tonic::{Request, Response, Status};
 
-use tidemark_common::config::{DeletePolicy, TargetDeletes};
+use tidemark_common::config::{DeletePolicy, ReconcileCompare, TargetDeletes};
 use tidemark_common::contract::{self, Contract};
 
 use crate::checkpoints::ShardStatusRow;
@@ -648,10 +648,15 @@ impl AdminService for CoordinatorService {
             Some(ms) => Some(source_now_micros(&self.task(&request.task)?.config).await? - (ms as i64) * 1000),
             None => None,
         };
+        let compare = if request.compare.is_empty() {
+            self.task(&request.task)?.config.reconcile_compare
+        } else {
+            ReconcileCompare::parse(&request.compare).map_err(CoordinatorError::InvalidRequest)?
+        };
         let run_id = self
             .inner
             .control
-            .start_reconcile(&request.task, "operator", since_micros)
+            .start_reconcile(&request.task, "operator", since_micros, compare)
             .await?;
         tracing::info!(task = %request.task, run_id, ?since_micros, "reconciliation requested");
         let run = self.inner.control.reconcile_run(run_id).await?;
@@ -682,7 +687,7 @@ impl AdminService for CoordinatorService {
         let reconcile_run_id = self
             .inner
             .control
-            .start_reconcile(&request.task, "reinit", None)
+            .start_reconcile(&request.task, "reinit", None, task.config.reconcile_compare)
             .await?;
         Ok(Response::new(pb::ReinitResponse {
             epoch: reinit.epoch,

@@ -84,6 +84,7 @@ pub fn reconcile_json(run: &pb::ReconcileRun) -> serde_json::Value {
         "run_id": run.run_id,
         "epoch": run.epoch,
         "reason": run.reason,
+        "compare": run.compare,
         "window_since": run.since_micros.map(format_micros),
         "requested_at": format_micros(run.requested_at_micros),
         "finished": run.finished,
@@ -97,7 +98,7 @@ pub fn reconcile_json(run: &pb::ReconcileRun) -> serde_json::Value {
     })
 }
 
-/// One line: `run 7 (operator, full): 12 ranges compared, 40 rows read, 3 keys repaired in 1.2s`.
+/// One line: `run 7 (operator, full, content): 12 ranges compared, 40 rows read, 3 keys repaired in 1.2s`.
 pub fn reconcile_line(run: &pb::ReconcileRun) -> String {
     let window = run
         .since_micros
@@ -116,8 +117,8 @@ pub fn reconcile_line(run: &pb::ReconcileRun) -> String {
         String::new()
     };
     format!(
-        "run {} ({}, {window}): {} ranges compared, {} rows read, {} keys repaired{extra} {state}",
-        run.run_id, run.reason, run.ranges_compared, run.rows_read, run.keys_repaired
+        "run {} ({}, {window}, {}): {} ranges compared, {} rows read, {} keys repaired{extra} {state}",
+        run.run_id, run.reason, run.compare, run.ranges_compared, run.rows_read, run.keys_repaired
     )
 }
 

@@ -88,7 +88,9 @@ async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Res
             .is_none_or(|elapsed| elapsed >= every.as_secs_f64())
     {
         let since = task.config.reconcile_window.map(|w| now - w.as_micros() as i64);
-        let run_id = control.start_reconcile(name, "schedule", since).await?;
+        let run_id = control
+            .start_reconcile(name, "schedule", since, task.config.reconcile_compare)
+            .await?;
         tracing::info!(task = name, run_id, "scheduled reconciliation started");
     }
     let tolerance = task.config.clock_tolerance().as_micros() as i64;

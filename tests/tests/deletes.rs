@@ -468,12 +468,15 @@ async fn reconcile_a_million_rows_reads_only_what_differs() {
     let now = source_now(&cluster.source).await;
     cluster.wait_for_watermark(now, Duration::from_secs(300)).await;
 
-    let started = Instant::now();
-    let identical = cluster.reconcile(&["--full"]);
-    let identical_time = started.elapsed();
-    eprintln!("1M identical rows: {identical} in {identical_time:?}");
-    assert_eq!(identical["rows_read"], 0, "{identical}");
-    assert_eq!(identical["keys_repaired"], 0, "{identical}");
+    // The cost of comparing content, against versions alone, on the same table.
+    for compare in ["versions", "content"] {
+        let started = Instant::now();
+        let identical = cluster.reconcile(&["--full", "--compare", compare]);
+        let identical_time = started.elapsed();
+        eprintln!("1M identical rows, compare {compare}: {identical} in {identical_time:?}");
+        assert_eq!(identical["rows_read"], 0, "{identical}");
+        assert_eq!(identical["keys_repaired"], 0, "{identical}");
+    }
 
     // 25 + 25 + 20 source differences, 15 + 15 target differences: 100 keys.
     cluster
@@ -800,4 +803,85 @@ async fn long_table_names_never_share_derived_objects() {
         4,
         "a delete log and a TRUNCATE log per table: {derived:?}"
     );
+}
+
+/// S23: drift at an equal version. A target row edited by hand, a source backfill that kept
+/// the cursor, a corrupted value in the target: a versions-only run finds none of them, the
+/// default content run repairs exactly those keys. Then a dead letter whose row a content
+/// repair has since landed at the letter's own version, with newer values: its retry keeps
+/// the newer values. Boundary: the reconciliation run; delete policy: none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_version_drift_is_found_by_content_and_a_retry_never_overwrites_it() {
+    let mut cluster = Cluster::new("drift").await;
+    create_fixture(&cluster.source, 2_000).await;
+    cluster
+        .target
+        .exec(
+            "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, qty integer NOT NULL CHECK (qty < 10000),
+                                 updated_at timestamptz(3) NOT NULL, deleted_at timestamptz,
+                                 _tidemark_version bigint NOT NULL)",
+        )
+        .await;
+    let settings = TaskSettings {
+        shards: 2,
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    cluster.spawn_worker("drift-w", 2, &[]);
+    cluster
+        .wait_for("snapshot done", Duration::from_secs(60), |t| t.snapshot_complete)
+        .await;
+    // Key 7 becomes a dead letter (the target's CHECK rejects it).
+    cluster
+        .source
+        .exec("UPDATE items SET qty = 20000, updated_at = clock_timestamp() WHERE id = 7")
+        .await;
+    // Past the overlap (2 s) too: the writes below that keep the cursor are invisible to the
+    // incremental reads from now on.
+    let end = source_now(&cluster.source).await + 3_000_000;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    let letters = cluster.cli_json(&["dead-letters", "list", "--task", "items"]);
+    assert_eq!(letters["dead_letters"].as_array().map(Vec::len), Some(1), "{letters}");
+
+    cluster
+        .target
+        .exec("UPDATE items SET name = 'edited by hand' WHERE id = 3")
+        .await;
+    cluster.target.exec("UPDATE items SET qty = -1 WHERE id = 1500").await;
+    // A backfill that keeps the cursor; key 7's new values pass the target's CHECK.
+    cluster
+        .source
+        .exec("UPDATE items SET qty = qty + 1 WHERE id IN (4, 1900, 7)")
+        .await;
+    cluster.source.exec("UPDATE items SET qty = 5 WHERE id = 7").await;
+
+    let versions = cluster.reconcile(&["--full", "--compare", "versions"]);
+    assert_eq!(versions["compare"], "versions", "{versions}");
+    // Only key 7 differs by version (the target still holds its snapshot version).
+    assert_eq!(
+        versions["keys_repaired"], 1,
+        "versions alone are blind to the rest: {versions}"
+    );
+    let content = cluster.reconcile(&["--full"]);
+    assert_eq!(content["compare"], "content", "{content}");
+    assert_eq!(content["keys_repaired"], 4, "keys 3, 4, 1500, 1900: {content}");
+    assert_expected(
+        &cluster,
+        "true",
+        CURSOR_VERSION,
+        false,
+        "after the content reconciliation",
+    )
+    .await;
+
+    // The letter holds key 7 at the version the target now holds, with qty 20000: older.
+    cluster
+        .target
+        .exec("ALTER TABLE items DROP CONSTRAINT items_qty_check")
+        .await;
+    let retried = cluster.cli_json(&["dead-letters", "retry", "--task", "items"]);
+    assert_eq!(retried["resolved"].as_u64(), Some(1), "{retried}");
+    assert_expected(&cluster, "true", CURSOR_VERSION, false, "after the retry").await;
+    let again = cluster.reconcile(&["--full"]);
+    assert_eq!(again["keys_repaired"], 0, "{again}");
 }

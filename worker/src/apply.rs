@@ -18,8 +18,8 @@ use sqlx::postgres::{PgConnection, PgPool};
 use tidemark_common::batch::Manifest;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::dead_letters::{self, DeadLetter, Layout};
-use tidemark_common::pg::TableSql;
 use tidemark_common::pg::accumulate::AccumulateSql;
+use tidemark_common::pg::{Read, TableSql};
 use tidemark_common::transform::{AccumulateSpec, DeltaKey, Deltas, RowError, RowTransform};
 use tidemark_common::write;
 
@@ -210,8 +210,15 @@ async fn apply_once(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied
             if manifest.target_layout && copy_straight_into_target(&mut tx, batch).await? {
                 return finish(tx, batch, Vec::new(), Vec::new()).await;
             }
-            let (copied, late) =
-                write::upsert_rows(&mut tx, batch.sql, batch.layout(), batch.data, batch.overlap()).await?;
+            let (copied, late) = write::upsert_rows(
+                &mut tx,
+                batch.sql,
+                batch.layout(),
+                batch.data,
+                batch.overlap(),
+                Read::Latest,
+            )
+            .await?;
             check_count(manifest, copied)?;
             finish(tx, batch, late, Vec::new()).await
         }
@@ -297,7 +304,15 @@ async fn probe_sample(conn: &mut PgConnection, batch: &BatchToApply<'_>, rows: &
         }
         let row = rows[probe * rows.len() / sample];
         savepoint(conn).await?;
-        let written = write::upsert_rows(conn, batch.sql, batch.layout(), &batch.format.join([row]), None).await;
+        let written = write::upsert_rows(
+            conn,
+            batch.sql,
+            batch.layout(),
+            &batch.format.join([row]),
+            None,
+            Read::Latest,
+        )
+        .await;
         end_savepoint(conn, false).await?;
         if let Err(error) = written {
             let Some(row_error) = dead_letters::as_row_error(&error) else {
@@ -338,7 +353,7 @@ async fn isolate_rows(
         attempts += 1;
         let data = batch.format.join(rows[lo..hi].iter().copied());
         savepoint(conn).await?;
-        let written = write::upsert_rows(conn, batch.sql, batch.layout(), &data, batch.overlap()).await;
+        let written = write::upsert_rows(conn, batch.sql, batch.layout(), &data, batch.overlap(), Read::Latest).await;
         match written {
             Ok((_, found_late)) => {
                 write::clear_stage(conn, batch.sql).await?;

@@ -1,7 +1,8 @@
 //! Reconciliation of one shard's key range, run by the shard's owner between cycles.
 //!
-//! Both sides compute, inside their databases, a count and a sum of hashes of `(key, version)`
-//! per bucket of the first key column. Buckets that differ are split again (16 ways) until
+//! Both sides compute, inside their databases, a count and a sum of hashes of `(key, version,
+//! content)` (content: every column as text; a run may compare versions only) per bucket of
+//! the first key column. Buckets that differ are split again (16 ways) until
 //! they hold at most `LEAF_ROWS` rows on either side; only those small ranges are read, as
 //! `(key, version)` pairs. Keys whose version differs, that the target lacks, or that only the
 //! target has are then repaired through the normal batch protocol: the source rows are read
@@ -64,7 +65,9 @@ impl ShardRun {
     ) -> Result<(), WorkerError> {
         let started = Instant::now();
         tracing::info!(task = %self.task.name, shard = self.shard_id, run_id = order.run_id, "reconciling shard");
-        let outcome = self.compare_and_repair(client, order.since_micros).await?;
+        let outcome = self
+            .compare_and_repair(client, order.since_micros, !order.versions_only)
+            .await?;
         let duration_ms = started.elapsed().as_millis() as u64;
         tracing::info!(
             task = %self.task.name, shard = self.shard_id, run_id = order.run_id, ranges = outcome.ranges_compared,
@@ -91,6 +94,7 @@ impl ShardRun {
         &mut self,
         client: &CoordinatorClient,
         since_micros: Option<i64>,
+        content: bool,
     ) -> Result<Outcome, WorkerError> {
         let mut outcome = Outcome::default();
         let mut repairs: Vec<Repair> = Vec::new();
@@ -100,6 +104,7 @@ impl ShardRun {
             let scope = Scope {
                 range: &range,
                 since_micros,
+                content,
             };
             let (source_count, target_count) = match known {
                 Some(counts) => counts,
@@ -236,9 +241,14 @@ impl ShardRun {
             let pool = self.side_pool(side).clone();
             async move {
                 let rows = sqlx::query(sqlx::AssertSqlSafe(statement)).fetch_all(&pool).await?;
-                Ok::<HashMap<Vec<String>, i64>, WorkerError>(
+                Ok::<HashMap<Vec<String>, (i64, i64)>, WorkerError>(
                     rows.into_iter()
-                        .map(|row| (row.get::<Vec<String>, _>(0), row.get::<i64, _>(1)))
+                        .map(|row| {
+                            (
+                                row.get::<Vec<String>, _>(0),
+                                (row.get::<i64, _>(1), row.get::<i64, _>(2)),
+                            )
+                        })
                         .collect(),
                 )
             }
@@ -257,16 +267,18 @@ impl ShardRun {
                 })
                 .collect()
         };
-        for (key, version) in &source {
-            let expected = target.get(key).copied();
-            if expected != Some(*version) {
+        // A key differs when the target lacks it, holds another version, or (comparing
+        // content) holds other values at the same version.
+        for (key, state) in &source {
+            let seen = target.get(key).copied();
+            if seen != Some(*state) {
                 repairs.push(Repair {
                     key: to_key(key),
-                    expected,
+                    expected: seen.map(|(version, _)| version),
                 });
             }
         }
-        for (key, version) in &target {
+        for (key, (version, _)) in &target {
             if !source.contains_key(key) {
                 repairs.push(Repair {
                     key: to_key(key),

@@ -16,6 +16,9 @@ pub enum Side {
 pub struct Scope<'a> {
     pub range: &'a ShardRange,
     pub since_micros: Option<i64>,
+    /// Compare every column's content besides the version (drift at an equal version: a
+    /// target row edited by hand, a backfill that kept the cursor, a corrupted value).
+    pub content: bool,
 }
 
 impl TableSql {
@@ -57,6 +60,18 @@ impl TableSql {
         }
     }
 
+    /// Every task column as text, in one value: `ROW(c1::t1, …)::text`, cast to the frozen
+    /// source types on both sides (so a target column of another type compares by value),
+    /// rendered under the sessions' pinned settings (see `SESSION_SETTINGS`).
+    fn row_text(&self) -> String {
+        let columns: Vec<String> = self
+            .columns
+            .iter()
+            .map(|c| format!("{}::{}", quote_ident(&c.name), c.sql_type))
+            .collect();
+        format!("ROW({})::text", columns.join(", "))
+    }
+
     fn first_key(&self) -> String {
         quote_ident(&self.key_columns[0])
     }
@@ -81,6 +96,9 @@ impl TableSql {
             .map(|k| format!("{}::text", quote_ident(k)))
             .collect();
         parts.push(format!("({})::text", self.side_version(side)));
+        if scope.content {
+            parts.push(self.row_text());
+        }
         format!(
             "SELECT {bucket} AS bucket, count(*), coalesce(sum(hashtextextended(concat_ws(chr(31), {}), 0)::numeric), 0)::text \
              FROM {}{} GROUP BY 1 ORDER BY 1",
@@ -115,15 +133,21 @@ impl TableSql {
         )
     }
 
-    /// Every `(key as text[], version)` of the scope on one side: a small range's rows.
+    /// Every `(key as text[], version, content hash)` of the scope on one side: a small
+    /// range's rows (the hash is 0 when the scope compares versions only).
     pub fn key_versions(&self, side: Side, scope: &Scope<'_>) -> String {
         let keys: Vec<String> = self
             .key_columns
             .iter()
             .map(|k| format!("{}::text", quote_ident(k)))
             .collect();
+        let content = if scope.content {
+            format!("hashtextextended({}, 0)", self.row_text())
+        } else {
+            "0::bigint".to_string()
+        };
         format!(
-            "SELECT ARRAY[{}], ({})::bigint FROM {}{}",
+            "SELECT ARRAY[{}], ({})::bigint, {content} FROM {}{}",
             keys.join(", "),
             self.side_version(side),
             self.side_table(side),
