@@ -89,6 +89,10 @@ pub struct TaskConfig {
     /// NOT NULL timestamp column; required in `upsert` mode, absent in `append` mode.
     #[serde(default)]
     pub cursor_column: Option<String>,
+    /// The zone a `timestamp without time zone` cursor's values are written in (e.g.
+    /// `Europe/Berlin`); default: the source's TimeZone for the task's role and database.
+    #[serde(default)]
+    pub cursor_time_zone: Option<String>,
     /// Which value orders versions of one row in the target (see [`VersionConfig`]).
     #[serde(default)]
     pub version: VersionConfig,
@@ -158,6 +162,10 @@ pub struct TaskConfig {
     /// `target rejects rows`. 1.0 dead-letters whatever the target rejects.
     #[serde(default = "default_max_dead_letter_ratio")]
     pub max_dead_letter_ratio: f64,
+    /// A shard whose runs end this many times in a row with the same error that retrying
+    /// cannot fix pauses its task with that error (0: retry forever).
+    #[serde(default = "default_max_batch_failures")]
+    pub max_batch_failures: u32,
 }
 
 /// `delete_policy = { kind = "soft", column = "deleted_at" }`: the source marks deleted rows
@@ -322,6 +330,9 @@ impl TaskConfig {
 
 fn default_etcd_prefix() -> String {
     "/tidemark".to_string()
+}
+fn default_max_batch_failures() -> u32 {
+    5
 }
 fn default_lease_ttl() -> Duration {
     Duration::from_secs(10)

@@ -9,6 +9,7 @@ use crate::copy_format::CopyFormat;
 use crate::cursor::{KeyValue, ShardRange};
 
 pub mod accumulate;
+pub mod cursor_zone;
 pub mod deletes;
 pub mod reconcile;
 pub mod visibility;
@@ -115,15 +116,38 @@ fn keys_after(key_columns: &[String], after: &[KeyValue]) -> String {
     format!("({}) > ({})", columns.join(", "), values.join(", "))
 }
 
-/// A cursor time (microseconds since the Unix epoch) as a literal of the cursor column's type.
-/// `timestamp without time zone` values are read as UTC.
-fn time_literal(micros: i64, cursor_type: &str) -> String {
-    let base = if cursor_type.contains("with time zone") {
-        "'1970-01-01 00:00:00+00'::timestamptz"
-    } else {
-        "'1970-01-01 00:00:00'::timestamp"
-    };
-    format!("({base} + {micros} * interval '1 microsecond')")
+/// A time (microseconds since the Unix epoch) as a `timestamptz` literal.
+fn time_literal(micros: i64) -> String {
+    format!("('1970-01-01 00:00:00+00'::timestamptz + {micros} * interval '1 microsecond')")
+}
+
+/// Whether a cursor type stores local times without a zone (`timestamp without time zone`).
+pub fn is_naive_timestamp(sql_type: &str) -> bool {
+    sql_type.starts_with("timestamp") && !sql_type.contains("with time zone")
+}
+
+/// A cursor time (microseconds since the Unix epoch, an instant) as a literal of the cursor
+/// column's type: for a `timestamp without time zone` column, the wall-clock time of that
+/// instant in the zone its values are written in (`zone`; none: UTC, as epochs planned before
+/// the zone was learned read them).
+fn cursor_literal(micros: i64, cursor_type: &str, zone: Option<&str>) -> String {
+    match (is_naive_timestamp(cursor_type), zone) {
+        (false, _) => time_literal(micros),
+        (true, Some(zone)) => format!("({} AT TIME ZONE {})", time_literal(micros), quote_literal(zone)),
+        (true, None) => format!("('1970-01-01 00:00:00'::timestamp + {micros} * interval '1 microsecond')"),
+    }
+}
+
+/// `expression` (a cursor value of `cursor_type`) as microseconds since the Unix epoch: the
+/// instant it names, a naive value read in `zone` (none: UTC).
+pub fn cursor_micros_expr(expression: &str, cursor_type: &str, zone: Option<&str>) -> String {
+    match (is_naive_timestamp(cursor_type), zone) {
+        (true, Some(zone)) => format!(
+            "(extract(epoch from ({expression} AT TIME ZONE {})) * 1000000)::bigint",
+            quote_literal(zone)
+        ),
+        _ => format!("(extract(epoch from {expression}) * 1000000)::bigint"),
+    }
 }
 
 /// The statements a task runs against its source and target tables.
@@ -147,6 +171,9 @@ pub struct TableSql {
     /// and the delete-log pages beside them). Binary only when the target's column types
     /// equal the source's; reconciliation reads text.
     pub page_format: CopyFormat,
+    /// The zone a `timestamp without time zone` cursor's values are written in, frozen with
+    /// the epoch (`cursor_time_zone`); `None`: UTC, or a cursor with a zone.
+    pub cursor_zone: Option<String>,
 }
 
 impl TableSql {
@@ -170,9 +197,18 @@ impl TableSql {
         )
     }
 
-    /// `(extract(epoch from cursor) * 1000000)::bigint` over the given row alias.
+    /// The cursor's instant in microseconds since the Unix epoch over the given row alias.
     fn cursor_micros(&self, alias: &str) -> String {
-        format!("(extract(epoch from {alias}{}) * 1000000)::bigint", self.cursor())
+        cursor_micros_expr(
+            &format!("{alias}{}", self.cursor()),
+            self.cursor_type(),
+            self.cursor_zone.as_deref(),
+        )
+    }
+
+    /// A cursor time (an instant, microseconds) as a literal of the cursor column's type.
+    fn cursor_time_literal(&self, micros: i64) -> String {
+        cursor_literal(micros, self.cursor_type(), self.cursor_zone.as_deref())
     }
 
     fn version_expr(&self) -> String {
@@ -320,15 +356,14 @@ impl TableSql {
         upto: Option<(i64, &[KeyValue])>,
         limit: u32,
     ) -> String {
-        let cursor_type = self.cursor_type();
         let cursor = self.cursor();
         let mut conditions = self.range_condition(range);
-        conditions.push(self.position_after(&cursor, time_literal(t_micros, cursor_type), after_key));
-        conditions.push(format!("{cursor} < {}", time_literal(high_micros, cursor_type)));
+        conditions.push(self.position_after(&cursor, self.cursor_time_literal(t_micros), after_key));
+        conditions.push(format!("{cursor} < {}", self.cursor_time_literal(high_micros)));
         if let Some((t, key)) = upto {
             let mut columns = vec![cursor.clone()];
             columns.extend(self.key_columns.iter().map(|c| quote_ident(c)));
-            let mut values = vec![time_literal(t, cursor_type)];
+            let mut values = vec![self.cursor_time_literal(t)];
             values.extend(key.iter().map(key_literal));
             conditions.push(format!("({}) <= ({})", columns.join(", "), values.join(", ")));
         }
@@ -364,6 +399,30 @@ impl TableSql {
             "COPY (SELECT {list} FROM {}{where_clause} ORDER BY {order} LIMIT {limit}) TO STDOUT{}",
             self.source.quoted(),
             self.page_format.copy_option()
+        )
+    }
+
+    /// The first key whose cursor is `'infinity'` or `'-infinity'` (its key values as text,
+    /// then the value), and the newest finite cursor time (microseconds). No read window
+    /// holds an infinite time; the newest one tells whether writers' times agree with the
+    /// source clock (both probes use an index on the cursor when there is one).
+    pub fn cursor_extremes(&self) -> String {
+        let cursor = self.cursor();
+        let keys: Vec<String> = self
+            .key_columns
+            .iter()
+            .map(|k| format!("{}::text", quote_ident(k)))
+            .collect();
+        format!(
+            "SELECT (SELECT ARRAY[{keys}, {cursor}::text] FROM {table} WHERE {cursor} = 'infinity' OR {cursor} = '-infinity' \
+             LIMIT 1), (SELECT {newest} FROM {table} WHERE isfinite({cursor}))",
+            keys = keys.join(", "),
+            table = self.source.quoted(),
+            newest = cursor_micros_expr(
+                &format!("max({cursor})"),
+                self.cursor_type(),
+                self.cursor_zone.as_deref()
+            ),
         )
     }
 
@@ -802,6 +861,7 @@ mod tests {
             deletes: None,
             filter: None,
             page_format: CopyFormat::Text,
+            cursor_zone: None,
         }
     }
 

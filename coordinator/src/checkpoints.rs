@@ -59,6 +59,8 @@ pub struct EpochRecord {
     pub columns: serde_json::Value,
     pub h0_max_key: Option<serde_json::Value>,
     pub incremental_start: Cursor,
+    /// The zone of a `timestamp without time zone` cursor (see `TableSql::cursor_zone`).
+    pub cursor_zone: Option<String>,
 }
 
 /// A planned epoch, written once.
@@ -75,6 +77,7 @@ pub struct EpochPlan {
     pub ranges: Vec<String>,
     /// `pg_class.reltuples` at planning, when the table was ever analyzed.
     pub estimated_rows: Option<i64>,
+    pub cursor_zone: Option<String>,
 }
 
 pub struct RegisterBatch<'a> {
@@ -206,7 +209,7 @@ impl ControlDb {
 
     pub async fn current_epoch(&self, task: &str) -> Result<Option<EpochRecord>, CoordinatorError> {
         let row = sqlx::query(
-            "SELECT e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start \
+            "SELECT e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start, e.cursor_zone \
              FROM tasks t JOIN epochs e ON e.task = t.name AND e.epoch = t.current_epoch WHERE t.name = $1",
         )
         .bind(task)
@@ -219,6 +222,7 @@ impl ControlDb {
                 columns: row.get(2),
                 h0_max_key: row.get(3),
                 incremental_start: decode_cursor(row.get(4))?,
+                cursor_zone: row.get(5),
             })
         })
         .transpose()
@@ -292,7 +296,7 @@ impl ControlDb {
     async fn insert_epoch(tx: &mut sqlx::PgConnection, plan: &EpochPlan) -> Result<(), CoordinatorError> {
         sqlx::query(
             "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start, \
-             estimated_rows) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+             estimated_rows, cursor_zone) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
         .bind(&plan.task)
         .bind(plan.epoch as i64)
@@ -302,6 +306,7 @@ impl ControlDb {
         .bind(&plan.h0_max_key)
         .bind(cursor_json(&plan.incremental_start))
         .bind(plan.estimated_rows)
+        .bind(&plan.cursor_zone)
         .execute(&mut *tx)
         .await?;
         Self::insert_shards(tx, plan).await
@@ -341,13 +346,20 @@ impl ControlDb {
     /// Clears a pause. The source clock's high-water mark starts afresh, so a clock that was
     /// reset on purpose does not pause the task again at once.
     pub async fn resume_task(&self, task: &str) -> Result<bool, CoordinatorError> {
+        let mut tx = self.pool.begin().await?;
         let updated = sqlx::query(
             "UPDATE tasks SET paused_reason = NULL, max_source_clock_micros = NULL, resumed_at = now() WHERE name = $1",
         )
         .bind(task)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?
         .rows_affected();
+        // The operator fixed the cause: repeats count afresh.
+        sqlx::query("UPDATE checkpoints SET failures = 0, last_failure = NULL WHERE task = $1 AND failures > 0")
+            .bind(task)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
         Ok(updated == 1)
     }
 
@@ -696,7 +708,8 @@ impl ControlDb {
         let new_version = version + 1;
         sqlx::query(
             "UPDATE checkpoints SET cursor = $4, version = $5, phase = $6, \
-             last_batch_id = COALESCE($7, last_batch_id), rows_applied = rows_applied + $8, updated_at = now() \
+             last_batch_id = COALESCE($7, last_batch_id), rows_applied = rows_applied + $8, updated_at = now(), \
+             failures = 0, last_failure = NULL \
              WHERE task = $1 AND epoch = $2 AND shard_id = $3",
         )
         .bind(&shard.task)
@@ -778,6 +791,31 @@ impl ControlDb {
     /// Pauses the task on behalf of the shard's current owner (`fence`, `owner`), unless the
     /// task was resumed after the owner acquired the shard: its failure may predate the fix
     /// the operator resumed after. False when the request did not pause the task.
+    /// Counts a failure of the shard's current owner; returns how many times in a row the
+    /// shard's runs ended with this same error (0 when `fence`/`owner` are not current).
+    pub async fn record_failure(
+        &self,
+        shard: &ShardKey,
+        fence: u64,
+        owner: &str,
+        failure: &str,
+    ) -> Result<u32, CoordinatorError> {
+        let count: Option<i32> = sqlx::query_scalar(
+            "UPDATE checkpoints SET failures = CASE WHEN last_failure = $6 THEN failures + 1 ELSE 1 END, \
+             last_failure = $6 WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence = $4 AND owner = $5 \
+             RETURNING failures",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .bind(fence as i64)
+        .bind(owner)
+        .bind(failure)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(count.unwrap_or(0).max(0) as u32)
+    }
+
     pub async fn pause_for_owner(
         &self,
         shard: &ShardKey,

@@ -14,6 +14,7 @@ use tidemark_common::config::{
 };
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, plan_ranges};
+use tidemark_common::duration::format_duration;
 use tidemark_common::pg::deletes::{delete_log_table, truncate_log_table};
 use tidemark_common::pg::{
     self, Column, DeleteSql, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient, quote_ident,
@@ -120,15 +121,34 @@ async fn key_is_unique(pool: &PgPool, table: &TableName, key: &[String]) -> Resu
     }))
 }
 
-pub(crate) fn schema_id(columns: &[Column]) -> String {
+/// An epoch's schema id: a hash of the source columns' names and types, and whether the
+/// key and cursor columns are NOT NULL (a row with a NULL key or cursor is in no read window,
+/// so dropping NOT NULL there is a schema change). Epochs planned before nullability counted
+/// carry `schema-…` ids, compared the old way; new ones `schema2-…`.
+pub(crate) fn schema_id(columns: &[SourceColumn], required: &[&str], like: &str) -> String {
+    let legacy = like.starts_with("schema-");
     let mut hasher = Sha256::new();
     for column in columns {
-        hasher.update(column.name.as_bytes());
+        hasher.update(column.column.name.as_bytes());
         hasher.update(b" ");
-        hasher.update(column.sql_type.as_bytes());
+        hasher.update(column.column.sql_type.as_bytes());
+        if !legacy && column.not_null && required.contains(&column.column.name.as_str()) {
+            hasher.update(b" not null");
+        }
         hasher.update(b"\n");
     }
-    format!("schema-{}", hex::encode(&hasher.finalize()[..8]))
+    let prefix = if legacy { "schema" } else { "schema2" };
+    format!("{prefix}-{}", hex::encode(&hasher.finalize()[..8]))
+}
+
+/// The columns whose NOT NULL the schema id covers: the key and the cursor.
+pub(crate) fn required_columns(config: &TaskConfig) -> Vec<&str> {
+    config
+        .key
+        .iter()
+        .map(String::as_str)
+        .chain(config.cursor_column.as_deref())
+        .collect()
 }
 
 /// The pause reason when the source table's columns no longer match the epoch's.
@@ -312,8 +332,7 @@ async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorEr
             return Err(setup(reason));
         }
     }
-    let plain: Vec<Column> = columns.iter().map(|c| c.column.clone()).collect();
-    let schema_id = schema_id(&plain);
+    let schema_id = schema_id(&columns, &required_columns(config), "schema2-");
     let first_key_type = columns
         .iter()
         .find(|c| c.column.name == config.key[0])
@@ -379,10 +398,17 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
     };
     source.pool.close().await;
 
-    if epoch.schema_id != source.schema_id {
-        let reason = schema_changed_reason(&source.table, epoch.epoch, &source.schema_id, &epoch.schema_id);
+    let now = schema_id(&source.columns, &required_columns(config), &epoch.schema_id);
+    if epoch.schema_id != now {
+        let reason = schema_changed_reason(&source.table, epoch.epoch, &now, &epoch.schema_id);
         tracing::error!(task, %reason, "pausing task");
         control.pause_task(task, &reason).await?;
+    }
+    if let (Some(configured), Some(frozen)) = (&config.cursor_time_zone, &epoch.cursor_zone)
+        && configured != frozen
+    {
+        tracing::warn!(task, configured = %configured, epoch = epoch.epoch, reads_in = %frozen,
+            "cursor_time_zone differs from the zone the epoch froze; `tasks reinit` applies it");
     }
     let frozen_columns = epoch_columns(task, &epoch)?;
     let target = connect_database(task, "target", &config.target).await?;
@@ -396,6 +422,7 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         deletes: delete_sql(config)?,
         filter: config.filter.clone(),
         page_format: CopyFormat::Text,
+        cursor_zone: None,
     };
     ensure_target(&target, config, &sql, &not_null).await?;
     target.close().await;
@@ -461,6 +488,7 @@ pub fn table_sql(task: &PreparedTask) -> Result<TableSql, CoordinatorError> {
         deletes: delete_sql(config)?,
         filter: config.filter.clone(),
         page_format: CopyFormat::Text,
+        cursor_zone: task.epoch.cursor_zone.clone(),
     })
 }
 
@@ -560,6 +588,7 @@ pub async fn reinit_task(
         deletes: delete_sql(config)?,
         filter: config.filter.clone(),
         page_format: CopyFormat::Text,
+        cursor_zone: None,
     };
     let mut reinit = Reinit {
         epoch: plan.epoch,
@@ -685,6 +714,10 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
         .as_ref()
         .and_then(|name| columns.iter().find(|c| &c.name == name))
         .map_or("timestamp with time zone", |c| c.sql_type.as_str());
+    let cursor_zone = match &config.cursor_column {
+        Some(cursor) if pg::is_naive_timestamp(cursor_type) => Some(naive_cursor_zone(source, config, cursor).await?),
+        _ => None,
+    };
     let h0_time_micros = start_time_micros(source, config, table, pg::timestamp_unit_micros(cursor_type)).await?;
     let first_key = quote_ident(&config.key[0]);
     let (domain, h0_max_key) = if first_key_type == "uuid" {
@@ -776,7 +809,40 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
         incremental_start: Cursor::incremental_at(epoch, h0_time_micros),
         ranges: plan_ranges(&domain, config.shards).iter().map(|r| r.encode()).collect(),
         estimated_rows,
+        cursor_zone,
     })
+}
+
+/// The zone a naive cursor is read in for a new epoch (see `pg::cursor_zone`). Refused when
+/// the zone's clocks go back (daylight saving time) by more than the overlap: the local times
+/// of the repeated hour would fall below the watermark.
+pub(crate) async fn naive_cursor_zone(
+    source: &PgPool,
+    config: &TaskConfig,
+    cursor: &str,
+) -> Result<String, CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+    let zone = pg::cursor_zone::resolve(source, config.cursor_time_zone.as_deref(), cursor)
+        .await
+        .map_err(setup)?;
+    let shift = pg::cursor_zone::offset_shift_seconds(source, &zone.name)
+        .await
+        .map_err(|e| setup(format!("reading the offsets of time zone {}: {e}", zone.name)))?;
+    if shift > 0 && (config.overlap.as_secs() as i64) < shift {
+        return Err(setup(format!(
+            "cursor_column {cursor:?} is timestamp without time zone written in {} ({}), whose clocks go back {}              when daylight saving time ends: rows written in the repeated hour would fall below the watermark.              Convert the column (ALTER TABLE … ALTER COLUMN {} TYPE timestamptz USING {} AT TIME ZONE '{}'), or              set overlap to at least {}",
+            zone.name,
+            zone.learned_from,
+            format_duration(Duration::from_secs(shift as u64)),
+            pg::quote_ident(cursor),
+            pg::quote_ident(cursor),
+            zone.name,
+            format_duration(Duration::from_secs(shift as u64)),
+        )));
+    }
+    tracing::info!(task = %config.name, cursor, zone = %zone.name, from = %zone.learned_from,
+        "naive cursor values are read as local times of this zone");
+    Ok(zone.name)
 }
 
 /// Creates the target table and the ledger when missing; an existing target table must carry

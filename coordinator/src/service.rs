@@ -81,6 +81,34 @@ impl CoordinatorService {
         }
     }
 
+    /// A shard whose runs keep ending with the same error that retrying cannot fix (a column
+    /// missing in the target, a value no window can hold) pauses its task with that error at
+    /// `max_batch_failures`, instead of being retried silently forever.
+    async fn count_failure(&self, shard: &ShardKey, request: &pb::ReleaseShardRequest) -> Result<(), CoordinatorError> {
+        let control = &self.inner.control;
+        let repeats = control
+            .record_failure(shard, request.fence_token, &request.worker_id, &request.failure)
+            .await?;
+        let limit = self.task(&shard.task)?.config.max_batch_failures;
+        tracing::warn!(task = %shard.task, shard = shard.shard_id, repeats, limit, failure = %request.failure,
+            "shard stopped on an error retrying cannot fix");
+        if limit == 0 || repeats < limit {
+            return Ok(());
+        }
+        let reason = format!(
+            "batch keeps failing: shard {} stopped {repeats} times in a row with: {}; fix the cause, then \
+             `tidemark-coordinator tasks resume {}`",
+            shard.shard_id, request.failure, shard.task
+        );
+        if control
+            .pause_for_owner(shard, request.fence_token, &request.worker_id, &reason)
+            .await?
+        {
+            tracing::error!(task = %shard.task, shard = shard.shard_id, %reason, "task paused");
+        }
+        Ok(())
+    }
+
     fn task_spec(&self, task: &PreparedTask, epoch: &EpochRecord) -> Result<pb::TaskSpec, CoordinatorError> {
         let config = &task.config;
         let (delete_source, delete_column) = delete_spec(config);
@@ -115,6 +143,7 @@ impl CoordinatorService {
             target_soft_deletes: config.target_deletes == TargetDeletes::Soft,
             filter: config.filter.clone().unwrap_or_default(),
             max_dead_letter_ratio: config.max_dead_letter_ratio,
+            cursor_time_zone: epoch.cursor_zone.clone().unwrap_or_default(),
             accumulate: match config
                 .accumulate_spec()
                 .map_err(|e| CoordinatorError::task_setup(&config.name, e))?
@@ -472,6 +501,9 @@ impl WorkerService for CoordinatorService {
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
         self.inner.leases.release(&shard, request.fence_token).await?;
+        if !request.failure.is_empty() {
+            self.count_failure(&shard, &request).await?;
+        }
         if !request.pause_reason.is_empty() {
             let reason = format!(
                 "{}; fix the target, then `tidemark-coordinator tasks resume {}`",

@@ -5,7 +5,9 @@
 
 use tidemark_common::config::{DeletePolicy, TRIGGER_VERSION_COLUMN, TaskConfig, VersionConfig};
 use tidemark_common::pg::deletes::{delete_log_table, truncate_log_table};
-use tidemark_common::pg::{TableName, derived_name, quote_ident, timestamp_unit_micros};
+use tidemark_common::pg::{
+    TableName, cursor_micros_expr, derived_name, is_naive_timestamp, quote_ident, timestamp_unit_micros,
+};
 
 use crate::error::CoordinatorError;
 use crate::planner::{connect_database, introspect};
@@ -88,10 +90,15 @@ async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorEr
                 .find(|c| &c.column.name == cursor)
                 .map_or("timestamp with time zone", |c| c.column.sql_type.as_str());
             let unit = timestamp_unit_micros(cursor_type);
+            // The row's cursor as the instant the task reads it as (a naive cursor in its zone).
+            let zone = if is_naive_timestamp(cursor_type) {
+                Some(crate::planner::naive_cursor_zone(&source, config, cursor).await?)
+            } else {
+                None
+            };
+            let old_micros = cursor_micros_expr(&format!("OLD.{}", quote_ident(cursor)), cursor_type, zone.as_deref());
             format!(
-                "GREATEST((extract(epoch from OLD.{c}) * 1000000)::bigint + 1, \
-                 ((extract(epoch from clock_timestamp()) * 1000000)::bigint / {unit}) * {unit})",
-                c = quote_ident(cursor)
+                "GREATEST({old_micros} + 1, ((extract(epoch from clock_timestamp()) * 1000000)::bigint / {unit}) * {unit})"
             )
         }
         _ => {

@@ -8,7 +8,7 @@
 //!   the table (a role without `pg_read_all_stats`, a hot standby, a logical-replication
 //!   subscriber); a prepared transaction is shown in `status` while it holds the watermark;
 //! - `schema changed`: a column of the source table was added, dropped, renamed or changed
-//!   its type since the epoch was planned (the workers also refuse every page read after such
+//!   its type (or a key or cursor column lost its NOT NULL) since the epoch was planned (the workers also refuse every page read after such
 //!   a change, so none reaches the target before the pause).
 
 use std::time::Duration;
@@ -17,7 +17,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::config::DeletePolicy;
 use tidemark_common::cursor::format_micros;
 use tidemark_common::duration::format_duration;
-use tidemark_common::pg::{self, TableName, connect_options, deletes, quote_ident, visibility};
+use tidemark_common::pg::{self, TableName, TableSql, connect_options, deletes, quote_ident, visibility};
 
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
@@ -35,18 +35,31 @@ pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Le
         }
     };
     let interval = task.config.poll_interval.max(Duration::from_millis(500));
+    let mut seen = Seen::default();
     loop {
         tokio::time::sleep(interval).await;
         if !leadership.is_leader() {
             continue;
         }
-        if let Err(error) = check(&control, &task, &pool).await {
+        if let Err(error) = check(&control, &task, &pool, &mut seen).await {
             tracing::warn!(task = %name, %error, "source check failed; retrying");
         }
     }
 }
 
-async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Result<(), CoordinatorError> {
+/// What the watcher remembers between rounds.
+#[derive(Default)]
+struct Seen {
+    /// The newest finite cursor time of the source table at the last round.
+    newest_cursor_micros: Option<i64>,
+}
+
+async fn check(
+    control: &ControlDb,
+    task: &PreparedTask,
+    source: &PgPool,
+    seen: &mut Seen,
+) -> Result<(), CoordinatorError> {
     let name = task.config.name.as_str();
     let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
         .fetch_one(source)
@@ -94,6 +107,12 @@ async fn check(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Res
         tracing::info!(task = name, run_id, "scheduled reconciliation started");
     }
     let tolerance = task.config.clock_tolerance().as_micros() as i64;
+    if task.config.cursor_column.is_some()
+        && let Some(reason) = impossible_cursor_values(control, task, source, now, seen).await?
+    {
+        pause(control, name, &reason).await?;
+        return Ok(());
+    }
     if let Some(highest) = control.record_source_clock(name, now).await?
         && now < highest - tolerance
     {
@@ -223,6 +242,91 @@ async fn check_truncation(control: &ControlDb, task: &PreparedTask, source: &PgP
     Ok(())
 }
 
+/// Cursor values no read window can hold, or that disagree with the source clock:
+/// - `'infinity'` / `'-infinity'`: the row is never inside a window (and its time in
+///   microseconds is out of range), so it would be skipped or fail its page forever;
+/// - a naive cursor whose newest value lies ahead of the source clock beyond
+///   `clock_tolerance`: its writers use another zone than the epoch reads it in;
+/// - new rows keep arriving with times below the watermark minus the overlap: a wrong zone,
+///   or writers whose clocks lag; the incremental reads never see them.
+async fn impossible_cursor_values(
+    control: &ControlDb,
+    task: &PreparedTask,
+    source: &PgPool,
+    now: i64,
+    seen: &mut Seen,
+) -> Result<Option<String>, CoordinatorError> {
+    let name = task.config.name.as_str();
+    let cursor = task.config.cursor_column.as_deref().unwrap_or_default();
+    let Some(epoch) = control.current_epoch(name).await? else {
+        return Ok(None);
+    };
+    let sql = TableSql {
+        cursor_zone: epoch.cursor_zone.clone(),
+        ..planner::table_sql(task)?
+    };
+    let (infinite, newest): (Option<Vec<String>>, Option<i64>) =
+        sqlx::query_as(sqlx::AssertSqlSafe(sql.cursor_extremes()))
+            .fetch_one(source)
+            .await?;
+    if let Some(mut values) = infinite {
+        let value = values.pop().unwrap_or_default();
+        return Ok(Some(format!(
+            "impossible cursor value: {cursor} of key ({}) in {} is '{value}', which no read window can hold (the row \
+             would be skipped or its page fail forever); set a real time, then `tidemark-coordinator tasks resume {name}`",
+            values.join(", "),
+            sql.source
+        )));
+    }
+    let previous = std::mem::replace(&mut seen.newest_cursor_micros, newest);
+    let Some(newest) = newest else {
+        return Ok(None);
+    };
+    let zone = epoch.cursor_zone.as_deref();
+    let read_as = zone.map_or_else(String::new, |z| format!(" (read as local times of {z})"));
+    let tolerance = task.config.clock_tolerance().as_micros() as i64;
+    if zone.is_some() && newest > now + tolerance {
+        return Ok(Some(format!(
+            "cursor values ahead of the source clock: the newest {cursor}{read_as} is {} while the source clock reads \
+             {} ({:.0}s ahead); its writers use another zone: set cursor_time_zone, then reinitialization required: \
+             `tidemark-coordinator tasks reinit {name}`",
+            format_micros(newest),
+            format_micros(now),
+            (newest - now) as f64 / 1e6
+        )));
+    }
+    let watermark = control
+        .committed_key_positions(name)
+        .await?
+        .iter()
+        .map(|c| c.incremental_time())
+        .collect::<Option<Vec<i64>>>()
+        .and_then(|times| times.into_iter().min());
+    let overlap = task.config.overlap.as_micros() as i64;
+    if let (Some(previous), Some(watermark)) = (previous, watermark)
+        && newest > previous
+        && newest < watermark - overlap
+    {
+        let cause = if zone.is_some() {
+            format!(
+                "its writers use another zone than the epoch reads it in: set cursor_time_zone; reinitialization required: `tidemark-coordinator tasks reinit {name}`"
+            )
+        } else {
+            format!(
+                "its writers' clocks lag the source's by more than the overlap: fix them or raise overlap, repair with \
+                 `tidemark-coordinator reconcile --task {name}`, then `tidemark-coordinator tasks resume {name}`"
+            )
+        };
+        return Ok(Some(format!(
+            "rows written below the watermark: the newest {cursor}{read_as} moved to {}, older than the watermark {} \
+             minus the overlap, so the incremental reads never see them; {cause}",
+            format_micros(newest),
+            format_micros(watermark)
+        )));
+    }
+    Ok(None)
+}
+
 /// Whether a pause reason says that only a new epoch can continue the task (`tasks resume`
 /// refuses it and names `tasks reinit`).
 pub fn requires_reinitialization(reason: &str) -> bool {
@@ -249,10 +353,7 @@ async fn schema_change(
     };
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
     let now = match planner::introspect(source, name, "source", &table).await? {
-        Some(columns) => {
-            let columns: Vec<_> = columns.into_iter().map(|c| c.column).collect();
-            planner::schema_id(&columns)
-        }
+        Some(columns) => planner::schema_id(&columns, &planner::required_columns(&task.config), &epoch.schema_id),
         None => "no table".to_string(),
     };
     Ok((now != epoch.schema_id).then(|| planner::schema_changed_reason(&table, epoch.epoch, &now, &epoch.schema_id)))

@@ -241,6 +241,7 @@ async fn composite_key_ties_in_one_millisecond_survive_a_crash_between_pages() {
         deletes: None,
         filter: None,
         page_format: tidemark_common::copy_format::CopyFormat::Text,
+        cursor_zone: None,
     };
     let t: i64 = source_micros(&cluster.source, "(SELECT min(updated_at) FROM orders)").await;
     let after = [
@@ -398,6 +399,7 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
         deletes: None,
         filter: None,
         page_format: tidemark_common::copy_format::CopyFormat::Text,
+        cursor_zone: None,
     };
     let batch = tidemark_worker::apply::BatchToApply {
         sql: &sql,

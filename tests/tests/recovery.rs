@@ -216,6 +216,7 @@ fn release_request(owner: &str, assignment: &pb::ShardAssignment, pause_reason: 
         shard_id: assignment.shard_id,
         fence_token: assignment.fence_token,
         pause_reason: pause_reason.into(),
+        failure: String::new(),
     }
 }
 

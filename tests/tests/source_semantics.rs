@@ -382,3 +382,278 @@ async fn a_hot_standby_or_a_subscriber_source_is_refused_by_name() {
         .assert_clean("a standby source with the bound off");
     drop(standby);
 }
+
+/// `events`: a naive cursor (`timestamp(3)`) written by sessions whose TimeZone is `zone`.
+async fn create_events(cluster: &Cluster, zone: &str, rows: i64) -> PgPool {
+    cluster
+        .source
+        .exec(
+            "CREATE TABLE events (id bigint PRIMARY KEY, name text NOT NULL, updated_at timestamp(3) NOT NULL);
+               CREATE INDEX events_cursor ON events (updated_at, id)",
+        )
+        .await;
+    let writer = local_writer(&cluster.source.url, zone).await;
+    write_events(&writer, 1, rows).await;
+    writer
+}
+
+/// A pool whose sessions write `now()` in `zone`, as an application's would.
+async fn local_writer(url: &str, zone: &str) -> PgPool {
+    let set = format!("SET TimeZone = '{zone}'");
+    PgPoolOptions::new()
+        .max_connections(1)
+        .after_connect(move |conn, _| {
+            let set = set.clone();
+            Box::pin(async move {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(set)).execute(conn).await?;
+                Ok(())
+            })
+        })
+        .connect(url)
+        .await
+        .unwrap()
+}
+
+/// Inserts events written at `now()` of the writer's session.
+async fn write_events(writer: &PgPool, first: i64, count: i64) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO events SELECT g, 'event ' || g, now() FROM generate_series({first}, {}) g",
+        first + count - 1
+    )))
+    .execute(writer)
+    .await
+    .unwrap();
+}
+
+fn events_settings(extra: &str) -> TaskSettings {
+    TaskSettings {
+        source_table: "public.events".into(),
+        shards: 2,
+        extra: extra.to_string(),
+        ..TaskSettings::default()
+    }
+}
+
+/// S18: an application writes `now()` into a `timestamp without time zone` cursor under the
+/// database's TimeZone (Asia/Kolkata, UTC+5:30). The task learns the zone from the database's
+/// settings and every change arrives, versioned by the instant it names; the watermark is the
+/// source clock's instant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn naive_cursors_written_in_local_time_are_read_in_their_zone() {
+    let mut cluster = Cluster::new("naive").await;
+    cluster
+        .source
+        .exec(&format!(
+            "ALTER DATABASE \"{}\" SET TimeZone = 'Asia/Kolkata'",
+            cluster.source.name
+        ))
+        .await;
+    let writer = create_events(&cluster, "Asia/Kolkata", 300).await;
+    cluster.start(&events_settings("")).await;
+    cluster.spawn_worker("naive-w", 2, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(60), |t| t.snapshot_complete)
+        .await;
+    for round in 0..5 {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "UPDATE events SET name = name || ' r{round}', updated_at = now() WHERE id % 7 = {round}"
+        )))
+        .execute(&writer)
+        .await
+        .unwrap();
+        write_events(&writer, 1000 + round * 10, 10).await;
+    }
+    let end = cluster.source_now_micros().await;
+    let status = cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    let version = "(extract(epoch from updated_at AT TIME ZONE 'Asia/Kolkata') * 1000000)::bigint";
+    let diff = compare_table(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        "events",
+        &["id"],
+        &["id", "name", "updated_at"],
+        version,
+    )
+    .await;
+    assert_eq!(diff.keys, 350);
+    diff.assert_clean("naive local times read in their zone");
+    let watermark = status.watermark_micros.unwrap();
+    assert!(
+        watermark <= end + 5_000_000,
+        "the watermark is an instant of the source clock, not 5.5 h ahead: {watermark} vs {end}"
+    );
+}
+
+/// S18: a configured zone other than the writers' pauses the task by name: read as UTC,
+/// Kolkata's local times lie hours ahead of the source clock; read as Kolkata, Bogota's
+/// (UTC−5) arrive hours below the watermark. A zone whose clocks go back for daylight saving
+/// time is refused unless the overlap covers the repeated hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_cursor_zone_pauses_by_name_and_a_daylight_saving_zone_needs_the_overlap() {
+    async fn wrong_zone(tag: &str, writers: &str, configured: &str) -> String {
+        let mut cluster = Cluster::new(tag).await;
+        let writer = create_events(&cluster, writers, 100).await;
+        cluster
+            .start(&events_settings(&format!("cursor_time_zone = \"{configured}\"")))
+            .await;
+        cluster.spawn_worker(&format!("{tag}-w"), 2, &[]);
+        cluster
+            .wait_for("snapshot complete", Duration::from_secs(60), |t| {
+                t.snapshot_complete || t.phase == "paused"
+            })
+            .await;
+        let mut id = 5000;
+        let paused = loop {
+            let status = cluster.task_status().await;
+            if status.phase == "paused" {
+                break status;
+            }
+            write_events(&writer, id, 1).await;
+            id += 1;
+            assert!(id < 5100, "{tag}: no pause: {status:?}");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        };
+        paused.paused_reason
+    }
+    let (ahead, below) = tokio::join!(
+        wrong_zone("zone_ahead", "Asia/Kolkata", "UTC"),
+        wrong_zone("zone_below", "America/Bogota", "Asia/Kolkata"),
+    );
+    assert!(
+        ahead.starts_with("cursor values ahead of the source clock") && ahead.contains("cursor_time_zone"),
+        "{ahead}"
+    );
+    assert!(
+        below.starts_with("rows written below the watermark") && below.contains("cursor_time_zone"),
+        "{below}"
+    );
+
+    let mut cluster = Cluster::new("zone_dst").await;
+    create_events(&cluster, "Europe/Berlin", 10).await;
+    let refused = cluster.refused_start(&events_settings("cursor_time_zone = \"Europe/Berlin\""));
+    assert!(
+        refused.contains("daylight saving time") && refused.contains("set overlap to at least 1h"),
+        "{refused}"
+    );
+    cluster
+        .start(&TaskSettings {
+            overlap: "1h",
+            ..events_settings("cursor_time_zone = \"Europe/Berlin\"")
+        })
+        .await;
+}
+
+/// S24: cursor values no window can hold. `'infinity'` and `'-infinity'` pause the task and
+/// name the key; after the rows get real times and the task is resumed, every key converges.
+/// A key or cursor column that loses its NOT NULL is a schema change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn infinite_cursor_values_and_a_dropped_not_null_pause_by_name() {
+    let mut cluster = Cluster::new("infinite").await;
+    create_items(&cluster.source, KeyKind::Bigint, 300).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 2,
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("infinite-w", 2, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(60), |t| t.snapshot_complete)
+        .await;
+    for (id, value) in [(5, "infinity"), (6, "-infinity")] {
+        cluster
+            .source
+            .exec(&format!(
+                "UPDATE items SET name = 'odd', updated_at = '{value}' WHERE id = {id}"
+            ))
+            .await;
+        let paused = cluster
+            .wait_for("paused for an infinite cursor", Duration::from_secs(30), |t| {
+                t.phase == "paused"
+            })
+            .await;
+        assert!(
+            paused.paused_reason.starts_with("impossible cursor value")
+                && paused.paused_reason.contains(&format!("key ({id})"))
+                && paused.paused_reason.contains(&format!("'{value}'")),
+            "{}",
+            paused.paused_reason
+        );
+        cluster
+            .source
+            .exec(&format!(
+                "UPDATE items SET updated_at = clock_timestamp() WHERE id = {id}"
+            ))
+            .await;
+        let resumed = cluster.cli_json(&["tasks", "resume", "items"]);
+        assert_eq!(resumed["paused"], false, "{resumed}");
+    }
+    let end = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    cluster
+        .items_diff()
+        .await
+        .assert_clean("after the infinite times were fixed");
+
+    cluster
+        .source
+        .exec("ALTER TABLE items ALTER COLUMN updated_at DROP NOT NULL")
+        .await;
+    let paused = cluster
+        .wait_for("paused for the dropped NOT NULL", Duration::from_secs(30), |t| {
+            t.phase == "paused"
+        })
+        .await;
+    assert!(
+        paused.paused_reason.starts_with("schema changed")
+            && paused.paused_reason.contains("reinitialization required"),
+        "{}",
+        paused.paused_reason
+    );
+}
+
+/// S24: a batch that fails the same way every time (the target lost a column: not a row's
+/// fault, so no dead letter) pauses its task with that error after `max_batch_failures`
+/// runs, instead of being retried forever; after the fix and a resume, every key converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_failing_the_same_way_pauses_its_task_with_the_error() {
+    let mut cluster = Cluster::new("failing").await;
+    create_items(&cluster.source, KeyKind::Bigint, 300).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 1,
+            extra: "max_batch_failures = 3".into(),
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("failing-w", 1, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(60), |t| t.snapshot_complete)
+        .await;
+    cluster.target.exec("ALTER TABLE items DROP COLUMN note").await;
+    cluster
+        .source
+        .exec("UPDATE items SET note = 'changed', updated_at = clock_timestamp() WHERE id <= 10")
+        .await;
+    let paused = cluster
+        .wait_for("paused after repeated failures", Duration::from_secs(60), |t| {
+            t.phase == "paused"
+        })
+        .await;
+    assert!(
+        paused.paused_reason.starts_with("batch keeps failing")
+            && paused.paused_reason.contains("3 times in a row")
+            && paused.paused_reason.contains("note"),
+        "{}",
+        paused.paused_reason
+    );
+    cluster.target.exec("ALTER TABLE items ADD COLUMN note text").await;
+    cluster.cli_json(&["tasks", "resume", "items"]);
+    // The re-added column is empty: the keys the snapshot wrote lost their notes, and only a
+    // reconciliation (content) brings them back.
+    let end = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    let run = cluster.reconcile(&["--full"]);
+    assert!(run["keys_repaired"].as_u64().unwrap() > 0, "{run}");
+    cluster.items_diff().await.assert_clean("after the column came back");
+}

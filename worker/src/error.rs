@@ -35,6 +35,29 @@ pub enum WorkerError {
     TargetRejects(String),
 }
 
+impl WorkerError {
+    /// Whether retrying the shard cannot fix this error: it is the data or the databases'
+    /// state, not a connection, a lost lease or a lock held by a zombie. The coordinator
+    /// counts such errors and pauses the task when one repeats (`max_batch_failures`).
+    pub fn is_persistent(&self) -> bool {
+        match self {
+            WorkerError::Database(error) => {
+                let lock_timeout = matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"));
+                !tidemark_common::pg::is_transient(error) && !lock_timeout
+            }
+            WorkerError::Data(_)
+            | WorkerError::Verify(_)
+            | WorkerError::Assignment(_)
+            | WorkerError::SchemaChanged(_) => true,
+            WorkerError::Fenced(_)
+            | WorkerError::Coordinator(_)
+            | WorkerError::Staging(_)
+            | WorkerError::BinaryTypes(_)
+            | WorkerError::TargetRejects(_) => false,
+        }
+    }
+}
+
 impl From<tonic::Status> for WorkerError {
     fn from(status: tonic::Status) -> WorkerError {
         match status.code() {

@@ -278,6 +278,7 @@ async fn spawn_shard(
         shard_id: assignment.shard_id,
         fence_token: assignment.fence_token,
         pause_reason: String::new(),
+        failure: String::new(),
     };
     let prepared = match assignment.task.as_ref() {
         Some(spec) => match resources.for_task(spec, max_shards).await {
@@ -332,8 +333,10 @@ async fn finish_shard(client: &CoordinatorClient, ended: ShardEnded) -> bool {
         }
     }
     let mut release = release.clone();
-    if let Err(error @ WorkerError::TargetRejects(_)) = &ended.result {
-        release.pause_reason = error.to_string();
+    match &ended.result {
+        Err(error @ WorkerError::TargetRejects(_)) => release.pause_reason = error.to_string(),
+        Err(error) if error.is_persistent() => release.failure = error.to_string(),
+        _ => {}
     }
     match client.release_shard(release.clone()).await {
         Ok(()) => true,

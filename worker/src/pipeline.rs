@@ -171,6 +171,7 @@ impl ShardRun {
             filter: Some(task.filter.clone()).filter(|f| !f.is_empty()),
             // Chosen when the run starts (`page_format::choose`).
             page_format: CopyFormat::Text,
+            cursor_zone: Some(task.cursor_time_zone.clone()).filter(|z| !z.is_empty()),
         };
         let sql = TableSql {
             deletes: DeleteSql::from_spec(

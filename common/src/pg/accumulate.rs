@@ -191,6 +191,7 @@ mod tests {
             deletes: None,
             filter: None,
             page_format: crate::copy_format::CopyFormat::Text,
+            cursor_zone: None,
         };
         let spec = AccumulateSpec {
             explode: Some(Explode {

@@ -206,17 +206,16 @@ impl TableSql {
         limit: u32,
     ) -> String {
         let deleted_at = quote_ident("deleted_at");
-        let ts = "timestamp with time zone";
         let mut conditions = self.range_condition(range);
-        conditions.push(self.position_after(&deleted_at, super::time_literal(t_micros, ts), after_key));
+        conditions.push(self.position_after(&deleted_at, super::time_literal(t_micros), after_key));
         match upper {
             LogUpper::Below(high) => {
-                conditions.push(format!("{deleted_at} < {}", super::time_literal(high, ts)));
+                conditions.push(format!("{deleted_at} < {}", super::time_literal(high)));
             }
             LogUpper::AtMost(t, key) => {
                 let mut columns = vec![deleted_at.clone()];
                 columns.extend(self.key_columns.iter().map(|c| quote_ident(c)));
-                let mut values = vec![super::time_literal(t, ts)];
+                let mut values = vec![super::time_literal(t)];
                 values.extend(key.iter().map(super::key_literal));
                 conditions.push(format!("({}) <= ({})", columns.join(", "), values.join(", ")));
             }

@@ -2,7 +2,7 @@
 //! hash of `(key, version)` per key range, bucketed by thresholds on the first key column, so
 //! that only ranges that differ are split further and only small ranges are read row by row.
 
-use super::{DELETED_COLUMN, KeyValue, ShardRange, TableSql, VERSION_COLUMN, key_literal, quote_ident, time_literal};
+use super::{DELETED_COLUMN, KeyValue, ShardRange, TableSql, VERSION_COLUMN, key_literal, quote_ident};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
@@ -40,11 +40,7 @@ impl TableSql {
     fn side_where(&self, side: Side, scope: &Scope<'_>) -> String {
         let mut conditions = self.range_condition(scope.range);
         if let (Some(since), Some(_)) = (scope.since_micros, &self.cursor_column) {
-            conditions.push(format!(
-                "{} >= {}",
-                self.cursor(),
-                time_literal(since, self.cursor_type())
-            ));
+            conditions.push(format!("{} >= {}", self.cursor(), self.cursor_time_literal(since)));
         }
         match (side, &self.deletes) {
             (Side::Source, Some(deletes)) => conditions.extend(deletes.live_row_filter(&self.columns)),
