@@ -14,6 +14,8 @@ use crate::pg::TableSql;
 use crate::transform::RowError;
 
 pub const TABLE: &str = "tidemark_dead_letters";
+/// Removes a task's letters (`$1`): an accumulate task's reinit reads every row again.
+pub const DELETE_TASK_LETTERS: &str = "DELETE FROM tidemark_dead_letters WHERE task = $1";
 pub const STATUSES: [&str; 5] = ["INIT", "RETRY", "PROCESSING", "RESOLVED", "FAILED"];
 /// A PROCESSING claim older than this belongs to a retry run that died; another may take it.
 pub const STALE_CLAIM_SECS: i64 = 300;

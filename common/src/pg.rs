@@ -20,6 +20,20 @@ pub use deletes::{DeleteSource, DeleteSql};
 pub const VERSION_COLUMN: &str = "_tidemark_version";
 /// The target-side ledger of applied batches.
 pub const LEDGER_TABLE: &str = "tidemark_ledger";
+/// The epoch a task's batches must belong to in the target (`$1`: the task), read in each
+/// batch's transaction under a shared transaction-level advisory lock of the task, which
+/// `tasks reinit` takes exclusively while it raises the epoch (see `RAISE_TARGET_EPOCH`): a
+/// batch either commits before the raise or sees it. (An advisory lock, not `FOR SHARE`:
+/// no row is written per batch.)
+pub const TARGET_EPOCH: &str = "SELECT (SELECT epoch FROM tidemark_epochs WHERE task = $1) \
+     FROM (SELECT pg_advisory_xact_lock_shared(hashtext('tidemark.epoch'), hashtext($1))) lock";
+/// The task's epoch in the target (`$1`), without the lock (the coordinator's start check).
+pub const TARGET_EPOCH_NOW: &str = "SELECT epoch FROM tidemark_epochs WHERE task = $1";
+/// Takes the task's epoch lock exclusively (`$1`: the task), before `RAISE_TARGET_EPOCH`.
+pub const LOCK_TARGET_EPOCH: &str = "SELECT pg_advisory_xact_lock(hashtext('tidemark.epoch'), hashtext($1))";
+/// Raises a task's epoch in the target (`$1` task, `$2` epoch); it never goes down.
+pub const RAISE_TARGET_EPOCH: &str = "INSERT INTO tidemark_epochs (task, epoch) VALUES ($1, $2) \
+     ON CONFLICT (task) DO UPDATE SET epoch = GREATEST(tidemark_epochs.epoch, EXCLUDED.epoch)";
 /// A staged row's cursor time in microseconds: the last field of the staged layout (when the
 /// task has a cursor column); it exists only in the session's stage table.
 pub const CURSOR_MICROS_COLUMN: &str = "_tidemark_cursor_micros";
@@ -399,6 +413,17 @@ impl TableSql {
             "COPY (SELECT {list} FROM {}{where_clause} ORDER BY {order} LIMIT {limit}) TO STDOUT{}",
             self.source.quoted(),
             self.page_format.copy_option()
+        )
+    }
+
+    /// The largest integer key and the source clock read after the statement's snapshot
+    /// (microseconds): one [`crate::id_tail::Sample`].
+    pub fn key_sample(&self) -> String {
+        format!(
+            "SELECT max({})::bigint, (extract(epoch from {}) * 1000000)::bigint FROM {}",
+            quote_ident(&self.key_columns[0]),
+            source_clock_sql(),
+            self.source.quoted()
         )
     }
 

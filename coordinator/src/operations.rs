@@ -217,10 +217,12 @@ impl ControlDb {
         Ok(())
     }
 
-    /// Whether the shard's owner is asked to release it.
+    /// Whether the shard's owner is asked to release it: an operation waits for it, or `tasks
+    /// reinit` replaced its epoch (an idle shard, with nothing to commit, would never hear of it).
     pub async fn release_requested(&self, shard: &ShardKey) -> Result<bool, CoordinatorError> {
         Ok(sqlx::query_scalar(
-            "SELECT release_requested FROM checkpoints WHERE task = $1 AND epoch = $2 AND shard_id = $3",
+            "SELECT c.release_requested OR c.epoch <> t.current_epoch FROM checkpoints c JOIN tasks t ON t.name = c.task \
+             WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3",
         )
         .bind(&shard.task)
         .bind(shard.epoch as i64)

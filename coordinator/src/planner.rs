@@ -13,8 +13,9 @@ use tidemark_common::config::{
     DeletePolicy, TRIGGER_VERSION_COLUMN, TargetDeletes, TaskConfig, TaskMode, VersionConfig,
 };
 use tidemark_common::copy_format::CopyFormat;
-use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, plan_ranges};
+use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, format_micros, plan_ranges};
 use tidemark_common::duration::format_duration;
+use tidemark_common::id_tail::{IdTail, Sample};
 use tidemark_common::pg::deletes::{delete_log_table, truncate_log_table};
 use tidemark_common::pg::{
     self, Column, DeleteSql, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient, quote_ident,
@@ -425,7 +426,22 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         cursor_zone: None,
     };
     ensure_target(&target, config, &sql, &not_null).await?;
+    let target_epoch: Option<i64> = sqlx::query_scalar(pg::TARGET_EPOCH_NOW)
+        .bind(task)
+        .fetch_optional(&target)
+        .await
+        .map_err(|e| setup(format!("reading the task's epoch in the target: {e}")))?;
     target.close().await;
+    if let Some(target_epoch) = target_epoch
+        && target_epoch as u64 > epoch.epoch
+    {
+        return Err(setup(format!(
+            "the target holds epoch {target_epoch} of this task, ahead of the control database's epoch {} (a new or \
+             restored control database?): every batch would be refused; run `tidemark-coordinator tasks reinit {task}` \
+             until the epochs meet, or delete the task's row in the target's tidemark_epochs if the target was reset too",
+            epoch.epoch
+        )));
+    }
 
     Ok(PreparedTask {
         config: config.clone(),
@@ -630,6 +646,7 @@ pub async fn reinit_task(
         }
     }
     ensure_target(&target, config, &sql, &not_null).await?;
+    fence_target_epoch(&target, config, &sql, plan.epoch).await?;
     target.close().await;
     if !control.switch_epoch(&plan).await? {
         return Err(setup(format!(
@@ -644,6 +661,54 @@ pub async fn reinit_task(
         "task reinitialized: new epoch planned"
     );
     Ok(reinit)
+}
+
+/// Raises the task's epoch in the target, before the control database switches to it: from
+/// then on every batch of an older epoch is refused in the target (see `pg::TARGET_EPOCH`).
+/// An accumulate task's totals are emptied in the same transaction, with its dead letters:
+/// the new epoch counts every row again, so totals never double. (Readers see the totals
+/// rebuilt from zero; building beside the live table is issue 17's epoch switch.)
+async fn fence_target_epoch(
+    target: &PgPool,
+    config: &TaskConfig,
+    sql: &TableSql,
+    epoch: u64,
+) -> Result<(), CoordinatorError> {
+    let task = config.name.as_str();
+    let failed =
+        |e: sqlx::Error| CoordinatorError::task_setup(task, format!("raising epoch {epoch} in the target: {e}"));
+    let mut tx = target.begin().await.map_err(failed)?;
+    sqlx::query(pg::LOCK_TARGET_EPOCH)
+        .bind(task)
+        .execute(&mut *tx)
+        .await
+        .map_err(failed)?;
+    sqlx::query(pg::RAISE_TARGET_EPOCH)
+        .bind(task)
+        .bind(epoch as i64)
+        .execute(&mut *tx)
+        .await
+        .map_err(failed)?;
+    if let Some(spec) = config
+        .accumulate_spec()
+        .map_err(|e| CoordinatorError::task_setup(task, e))?
+    {
+        let summary = pg::accumulate::AccumulateSql {
+            table: sql,
+            spec: &spec,
+        };
+        sqlx::query(sqlx::AssertSqlSafe(summary.reset_totals()))
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        sqlx::query(tidemark_common::dead_letters::DELETE_TASK_LETTERS)
+            .bind(task)
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        tracing::warn!(task, epoch, table = %sql.target, "accumulate totals reset for the new epoch");
+    }
+    tx.commit().await.map_err(failed)
 }
 
 /// The source's clock now (microseconds since the Unix epoch): windows over cursor times,
@@ -734,7 +799,12 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
             .map_err(reading)?;
         let parse = |text: Option<String>| text.and_then(|t| t.parse::<i64>().ok());
         let min = parse(row.get(0));
-        let max = parse(row.get(1));
+        let mut max = parse(row.get(1));
+        if config.mode.appends() && config.open_transaction_bound {
+            // Keys are read once, in order: the snapshot stops below any key a transaction
+            // still open may add (see `id_tail`).
+            max = settled_max_key(source, config, table).await?;
+        }
         let domain = KeyDomain::Integer {
             sql_type: first_key_type.to_string(),
             min: min.unwrap_or(0),
@@ -811,6 +881,58 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
         estimated_rows,
         cursor_zone,
     })
+}
+
+/// The largest key of an append-only table that no open transaction can still add a key
+/// below (see `tidemark_common::id_tail`). Waits for older transactions to end (up to
+/// [`PREPARED_WAIT`]), then refuses and says why.
+async fn settled_max_key(
+    source: &PgPool,
+    config: &TaskConfig,
+    table: &TableName,
+) -> Result<Option<i64>, CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+    let reading = |e: sqlx::Error| setup(format!("reading the largest key of {table}: {e}"));
+    let sql = TableSql {
+        source: table.clone(),
+        target: table.clone(),
+        columns: Vec::new(),
+        key_columns: config.key.clone(),
+        cursor_column: None,
+        version_column: None,
+        deletes: None,
+        filter: None,
+        page_format: CopyFormat::Text,
+        cursor_zone: None,
+    };
+    let mut tail = IdTail::default();
+    let deadline = std::time::Instant::now() + PREPARED_WAIT;
+    loop {
+        let (max_key, at_micros): (Option<i64>, i64) = sqlx::query_as(sqlx::AssertSqlSafe(sql.key_sample()))
+            .fetch_one(source)
+            .await
+            .map_err(reading)?;
+        tail.record(Sample { at_micros, max_key });
+        let (seen, prepared) = visibility::read(source, table).await.map_err(reading)?;
+        if let Some(reason) = seen.blind_spot(table) {
+            return Err(setup(reason));
+        }
+        let hold = match prepared {
+            Some(prepared) => visibility::prepared_hold(&prepared),
+            None => match tail.safe_bound(seen.oldest_start_micros) {
+                Some(bound) => return Ok(bound),
+                None => format!(
+                    "a transaction open since {} may still add keys below the largest one",
+                    seen.oldest_start_micros.map(format_micros).unwrap_or_default()
+                ),
+            },
+        };
+        if std::time::Instant::now() >= deadline {
+            return Err(setup(format!("cannot fix the snapshot's largest key: {hold}")));
+        }
+        tracing::warn!(task = %config.name, %hold, "waiting to fix the snapshot's largest key");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// The zone a naive cursor is read in for a new epoch (see `pg::cursor_zone`). Refused when

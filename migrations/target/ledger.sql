@@ -11,4 +11,12 @@ CREATE TABLE IF NOT EXISTS tidemark_ledger (
     applied_at      timestamptz NOT NULL DEFAULT now()
 );
 -- How many of the batch's rows went to the dead letters instead of the table.
-ALTER TABLE tidemark_ledger ADD COLUMN IF NOT EXISTS dead_letters bigint NOT NULL DEFAULT 0
+ALTER TABLE tidemark_ledger ADD COLUMN IF NOT EXISTS dead_letters bigint NOT NULL DEFAULT 0;
+
+-- The epoch each task's batches must belong to, set by `tasks reinit` in the transaction
+-- that resets an accumulate task's totals. Every batch's transaction reads it (FOR SHARE)
+-- and refuses a batch of an older epoch, so a replaced epoch's late batch never writes.
+CREATE TABLE IF NOT EXISTS tidemark_epochs (
+    task            text PRIMARY KEY,
+    epoch           bigint NOT NULL
+);

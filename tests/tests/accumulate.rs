@@ -390,3 +390,115 @@ async fn concurrent_dead_letter_retries_count_each_row_once() {
     assert_eq!(status.dead_letters.get("RESOLVED").copied(), Some(all.len() as u64));
     assert!(!status.dead_letters.contains_key("FAILED"));
 }
+
+/// An event with one app, written with the id its sequence hands out.
+const ONE_EVENT: &str = "INSERT INTO events (type, kind, event) VALUES (5, 'ok', '{\"apps\": [{\"name\": \"held\"}]}')";
+
+/// S25: `bigserial` ids and concurrent writers. Transaction A takes a low id and commits
+/// 4 s later, while 20 later events with higher ids commit and are read. A's event is counted
+/// exactly once: the read never passes a key an open transaction may still add below. The
+/// same in append mode, per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_low_id_committing_after_higher_ones_is_counted_once() {
+    async fn run(tag: &str, append: bool) -> Cluster {
+        let mut cluster = Cluster::new(tag).await;
+        cluster
+            .source
+            .exec("CREATE TABLE events (id bigserial PRIMARY KEY, type int NOT NULL, kind text NOT NULL, event text)")
+            .await;
+        insert_events(&cluster.source, 1, 2_000, false).await;
+        cluster.source.exec("SELECT setval('events_id_seq', 2000)").await;
+        let task = if append {
+            TaskSettings {
+                target_table: "public.events".into(),
+                extra: "mode = \"append\"".into(),
+                ..settings()
+            }
+        } else {
+            settings()
+        };
+        cluster.start(&TaskSettings { shards: 2, ..task }).await;
+        cluster.spawn_worker(&format!("{tag}-w"), 2, &[]);
+        let snapshot = type5_rows(&cluster.source).await;
+        let expected_rows = if append { 2_000 } else { snapshot };
+        cluster
+            .wait_for("the snapshot", Duration::from_secs(120), |t| {
+                t.rows_applied == expected_rows
+            })
+            .await;
+        let mut held = cluster.source.pool.begin().await.unwrap();
+        sqlx::query(ONE_EVENT).execute(&mut *held).await.unwrap();
+        for _ in 0..20 {
+            cluster.source.exec(ONE_EVENT).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        held.commit().await.unwrap();
+        let all = if append { 2_021 } else { snapshot + 21 };
+        cluster
+            .wait_for("every event", Duration::from_secs(60), |t| t.rows_applied == all)
+            .await;
+        // Nothing more arrives later either.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(cluster.task_status().await.rows_applied, all, "{tag}: each event once");
+        cluster
+    }
+    let (accumulate, append) = tokio::join!(run("idtail_acc", false), run("idtail_app", true));
+    let counts = app_counts(&accumulate.target).await;
+    assert_eq!(
+        counts.get("held"),
+        Some(&21),
+        "21 'held' events, the late one included: {counts:?}"
+    );
+    assert_counts(
+        &counts.into_iter().filter(|(app, _)| app != "held").collect(),
+        &recount(&accumulate.source, &["ok"])
+            .await
+            .into_iter()
+            .filter(|(app, _)| app != "held")
+            .collect(),
+        "the snapshot's apps",
+    );
+    let columns = ["id", "type", "kind", "event"];
+    let diff = tidemark_tests::compare_table(
+        &append.source.pool,
+        &append.target.pool,
+        "events",
+        &["id"],
+        &columns,
+        "id",
+    )
+    .await;
+    assert_eq!(diff.keys, 2_021);
+    diff.assert_clean("append mode: every key once, the late one included");
+}
+
+/// S26: `tasks reinit` of an accumulate task counts every event again from zero: totals stay
+/// exact, never doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reinit_of_an_accumulate_task_keeps_the_totals_exact() {
+    let mut cluster = Cluster::new("accreinit").await;
+    create_events(&cluster.source, 20_000, false).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 2,
+            ..settings()
+        })
+        .await;
+    cluster.spawn_worker("accreinit-w", 2, &[]);
+    let rows = type5_rows(&cluster.source).await;
+    cluster
+        .wait_for("the snapshot", Duration::from_secs(120), |t| t.rows_applied == rows)
+        .await;
+    assert_exact(&cluster, "epoch 1").await;
+    let reinit = cluster.cli_json(&["tasks", "reinit", "items"]);
+    assert_eq!(reinit["epoch"], 2, "{reinit}");
+    insert_events(&cluster.source, 20_001, 21_000, false).await;
+    let rows = type5_rows(&cluster.source).await;
+    cluster
+        .wait_for("epoch 2 counted every event", Duration::from_secs(120), |t| {
+            t.epoch == 2 && t.rows_applied == rows
+        })
+        .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_exact(&cluster, "after reinit (epoch 2)").await;
+}

@@ -164,12 +164,28 @@ pub async fn apply_batch(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Ap
     }
 }
 
-/// The batch's transaction, or `None` when the ledger already holds the batch.
+/// The batch's transaction, or `None` when the ledger already holds the batch. A batch of an
+/// epoch that `tasks reinit` replaced is refused here, in the target, where its rows would go:
+/// its shard can no longer commit, but an accumulate task's totals were reset and must not
+/// count it.
 async fn begin_unless_applied(
     target: &PgPool,
     manifest: &Manifest,
-) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, sqlx::Error> {
+) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, WorkerError> {
     let mut tx = target.begin().await?;
+    let current: Option<i64> = sqlx::query_scalar(tidemark_common::pg::TARGET_EPOCH)
+        .bind(&manifest.task)
+        .fetch_one(&mut *tx)
+        .await?;
+    if let Some(current) = current
+        && current as u64 > manifest.epoch
+    {
+        tx.rollback().await?;
+        return Err(WorkerError::Fenced(format!(
+            "batch {} of epoch {} refused by the target: task {} is at epoch {current} there",
+            manifest.batch_id, manifest.epoch, manifest.task
+        )));
+    }
     let applied = sqlx::query("SELECT 1 FROM tidemark_ledger WHERE batch_id = $1")
         .bind(&manifest.batch_id)
         .fetch_optional(&mut *tx)

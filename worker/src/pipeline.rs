@@ -14,6 +14,7 @@ use tidemark_common::batch::{self, MANIFEST_FORMAT_VERSION, Manifest};
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::crash;
 use tidemark_common::cursor::{Cursor, KeyValue, Position, ShardRange};
+use tidemark_common::id_tail::{IdTail, Sample};
 use tidemark_common::pg::deletes::LogUpper;
 use tidemark_common::pg::visibility;
 use tidemark_common::pg::{Column, DeleteSource, DeleteSql, TableName, TableSql};
@@ -47,6 +48,10 @@ pub struct ShardRun {
     pub resources: TaskResources,
     /// The last reason the open-transaction bound held the watermark (logged when it changes).
     bound_hold: Option<String>,
+    /// Append and accumulate reads: samples of the largest key, and the bound they allow
+    /// (keys no open transaction can still add below; see `id_tail`).
+    id_tail: IdTail,
+    append_bound: Option<KeyValue>,
     /// The coordinator asked for the shard back (a move, split, merge or drain).
     release_requested: bool,
     /// The next page, read while the previous one was applied.
@@ -208,6 +213,8 @@ impl ShardRun {
             resources,
             task,
             bound_hold: None,
+            id_tail: IdTail::default(),
+            append_bound: None,
             release_requested: false,
             prefetched: None,
         })
@@ -380,9 +387,61 @@ impl ShardRun {
                     _ => return Ok(None),
                 }
             }
+            Position::Append { .. } => {
+                match self.append_read_bound().await? {
+                    Some(bound) => self.append_bound = Some(bound),
+                    None => return Ok(None),
+                }
+                None
+            }
             _ => None,
         };
         Ok(Some(self.plan_at(&self.cursor, new_cycle_high)))
+    }
+
+    /// How far an append read may go now (see `id_tail`): `None` holds the read. Without the
+    /// open-transaction bound, the largest key (a transaction holding a lower one that commits
+    /// later is missed, as the contract then says).
+    async fn append_read_bound(&mut self) -> Result<Option<KeyValue>, WorkerError> {
+        let source = &self.resources.source;
+        let (max_key, at_micros): (Option<i64>, i64) = sqlx::query_as(sqlx::AssertSqlSafe(self.sql.key_sample()))
+            .fetch_one(source)
+            .await?;
+        self.id_tail.record(Sample { at_micros, max_key });
+        let bound = if self.task.open_transaction_bound {
+            let Some(visibility) = self.visible_writers().await? else {
+                return Ok(None);
+            };
+            self.id_tail.safe_bound(visibility.oldest_start_micros).flatten()
+        } else {
+            max_key
+        };
+        let sql_type = self.sql.key_types()[0].clone();
+        Ok(bound.map(|value| KeyValue {
+            sql_type,
+            value: value.to_string(),
+        }))
+    }
+
+    /// What the open-transaction bound sees of the source's writers, or `None` while it must
+    /// hold the reads where they are: it cannot see every writer (the coordinator's watcher
+    /// pauses the task and names the fix), or a prepared transaction, whose start is unknown,
+    /// is open. Logs when the reason changes.
+    async fn visible_writers(&mut self) -> Result<Option<visibility::Visibility>, WorkerError> {
+        let (visibility, prepared) = visibility::read(&self.resources.source, &self.sql.source).await?;
+        let hold = visibility
+            .blind_spot(&self.sql.source)
+            .or_else(|| prepared.as_ref().map(visibility::prepared_hold));
+        if hold != self.bound_hold {
+            match &hold {
+                Some(reason) => {
+                    tracing::warn!(task = %self.task.name, shard = self.shard_id, %reason, "holding the reads")
+                }
+                None => tracing::info!(task = %self.task.name, shard = self.shard_id, "the reads move on again"),
+            }
+            self.bound_hold = hold.clone();
+        }
+        Ok(hold.is_none().then_some(visibility))
     }
 
     /// The plan for the page after a full one, when it needs nothing from the source (the
@@ -821,9 +880,7 @@ impl ShardRun {
     }
 
     /// `high = min(source now − safety_delay, start of the oldest open source transaction)`.
-    /// `None` holds the watermark where it is: while the bound cannot see every writer (the
-    /// coordinator's watcher pauses the task and names the fix), and while a prepared
-    /// transaction, whose start is unknown, is open.
+    /// `None` holds the watermark where it is (see `visible_writers`).
     async fn read_window_high(&mut self) -> Result<Option<i64>, WorkerError> {
         let source = &self.resources.source;
         // The clock first: a transaction that starts after this reading writes times above it.
@@ -832,22 +889,9 @@ impl ShardRun {
         if !self.task.open_transaction_bound {
             return Ok(Some(high));
         }
-        let (visibility, prepared) = visibility::read(source, &self.sql.source).await?;
-        let hold = visibility
-            .blind_spot(&self.sql.source)
-            .or_else(|| prepared.as_ref().map(visibility::prepared_hold));
-        if hold != self.bound_hold {
-            match &hold {
-                Some(reason) => {
-                    tracing::warn!(task = %self.task.name, shard = self.shard_id, %reason, "holding the watermark")
-                }
-                None => tracing::info!(task = %self.task.name, shard = self.shard_id, "the watermark moves again"),
-            }
-            self.bound_hold = hold.clone();
-        }
-        if hold.is_some() {
+        let Some(visibility) = self.visible_writers().await? else {
             return Ok(None);
-        }
+        };
         // Its rows may carry times rounded down to the cursor's precision.
         Ok(Some(visibility.oldest_start_micros.map_or(high, |oldest| {
             high.min(oldest - self.sql.cursor_unit_micros())

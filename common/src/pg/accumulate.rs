@@ -50,6 +50,11 @@ impl AccumulateSql<'_> {
     }
 
     /// The summary table, created when missing.
+    /// Empties the summary table: a new epoch counts every row again.
+    pub fn reset_totals(&self) -> String {
+        format!("DELETE FROM {}", self.table.target.quoted())
+    }
+
     pub fn create_target_table(&self) -> String {
         let mut definitions: Vec<String> = self
             .spec
