@@ -366,6 +366,26 @@ async fn backdated_update_is_missed_by_incremental_and_repaired_by_reconcile() {
     assert_expected(&cluster, "true", CURSOR_VERSION, false, "after the last reconcile").await;
 }
 
+/// `tasks reinit`, then waits until epoch 2 has passed now and its reconciliation finished,
+/// and checks every key (D = the delete log, hard target, cursor versions).
+async fn reinit_and_converge(cluster: &Cluster, context: &str) {
+    let (ok, stdout, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
+    assert!(ok, "reinit: {stderr}");
+    assert!(stdout.contains("epoch 2"), "{stdout}");
+    let now = source_now(&cluster.source).await;
+    cluster
+        .wait_for("epoch 2 converged and reconciled", Duration::from_secs(90), |t| {
+            t.epoch == 2
+                && t.phase == "incremental"
+                && t.watermark_micros.is_some_and(|w| w > now)
+                && t.last_reconcile
+                    .as_ref()
+                    .is_some_and(|r| r.reason == "reinit" && r.finished)
+        })
+        .await;
+    assert_expected(cluster, "true", CURSOR_VERSION, false, context).await;
+}
+
 /// B = the watermark; D = tombstone_table with an 8 s retention. With every worker gone the
 /// watermark ages: status warns within 20 % of the retention, then the task pauses with
 /// `reinitialization required` before any delete it has not read is purged, and nothing
@@ -430,20 +450,7 @@ async fn checkpoint_past_retention_requires_reinitialization() {
         "target untouched while paused"
     );
 
-    let (ok, stdout, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
-    assert!(ok, "reinit: {stderr}");
-    assert!(stdout.contains("epoch 2"), "{stdout}");
-    let now = source_now(&cluster.source).await;
-    cluster
-        .wait_for("epoch 2 converged and reconciled", Duration::from_secs(90), |t| {
-            t.epoch == 2
-                && t.watermark_micros.is_some_and(|w| w > now)
-                && t.last_reconcile
-                    .as_ref()
-                    .is_some_and(|r| r.reason == "reinit" && r.finished)
-        })
-        .await;
-    assert_expected(&cluster, "true", CURSOR_VERSION, false, "after reinit").await;
+    reinit_and_converge(&cluster, "after reinit").await;
     assert_eq!(target_name(&cluster, 30).await, None, "deleted during the outage");
 }
 
@@ -724,21 +731,7 @@ async fn truncate_pauses_the_task_and_reinit_converges() {
     );
     assert_eq!(cluster.task_status().await.phase, "paused");
 
-    let (ok, stdout, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
-    assert!(ok, "reinit: {stderr}");
-    assert!(stdout.contains("epoch 2"), "{stdout}");
-    let now = source_now(&cluster.source).await;
-    cluster
-        .wait_for("epoch 2 converged and reconciled", Duration::from_secs(90), |t| {
-            t.epoch == 2
-                && t.phase == "incremental"
-                && t.watermark_micros.is_some_and(|w| w > now)
-                && t.last_reconcile
-                    .as_ref()
-                    .is_some_and(|r| r.reason == "reinit" && r.finished)
-        })
-        .await;
-    assert_expected(&cluster, "true", CURSOR_VERSION, false, "after the TRUNCATE and reinit").await;
+    reinit_and_converge(&cluster, "after the TRUNCATE and reinit").await;
     assert_eq!(target_name(&cluster, 1).await, None, "truncated rows are gone");
 }
 
