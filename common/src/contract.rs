@@ -57,10 +57,17 @@ pub fn derive(task: &TaskConfig) -> Contract {
                     task.key.join(", ")
                 ),
             },
-            "a cursor is the last key read; a batch holds keys above it up to the page size; \
-             the snapshot stops at the largest key at planning (H0); a key below a committed cursor pauses \
-             the task with `id regression`"
-                .to_string(),
+            format!(
+                "a cursor is the last key read; a batch holds keys above it up to the page size, and {}; the \
+                 snapshot stops at the largest key at planning (H0); a key below a committed cursor pauses the task \
+                 with `id regression`",
+                if task.open_transaction_bound {
+                    "a read stops at the largest key no open source transaction can still add a key below"
+                } else {
+                    "a read goes to the largest key (open_transaction_bound = false: a lower key committed later is \
+                     missed)"
+                }
+            ),
         ),
         TaskMode::Upsert => (
             Coverage {

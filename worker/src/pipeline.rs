@@ -486,9 +486,13 @@ impl ShardRun {
                 target_layout: self.sql.key_pages_in_target_layout(),
             },
             Position::Append { after_key } => ReadPlan {
-                statement: self
-                    .sql
-                    .snapshot_page(&self.range, after_key.as_deref(), None, page_size),
+                // Up to the bound no open transaction can still add a key below.
+                statement: self.sql.snapshot_page(
+                    &self.range,
+                    after_key.as_deref(),
+                    self.append_bound.as_ref(),
+                    page_size,
+                ),
                 on_short: cursor.clone(),
                 cycle: None,
                 scan: None,
