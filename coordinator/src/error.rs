@@ -39,6 +39,9 @@ pub enum CoordinatorError {
     // Not `#[from]`: that would also make the error its source and print it twice.
     #[error("control database: {0}")]
     ControlDb(sqlx::Error),
+    /// A query on a task's source database (the watcher's checks).
+    #[error("source database: {0}")]
+    Source(sqlx::Error),
     #[error("etcd: {0}")]
     Etcd(etcd_client::Error),
 }
@@ -81,9 +84,10 @@ impl From<CoordinatorError> for tonic::Status {
                 tonic::Status::invalid_argument(message)
             }
             CoordinatorError::TaskSetup { .. } => tonic::Status::failed_precondition(message),
-            CoordinatorError::ControlDb(_) | CoordinatorError::Etcd(_) | CoordinatorError::NotLeader { .. } => {
-                tonic::Status::unavailable(message)
-            }
+            CoordinatorError::ControlDb(_)
+            | CoordinatorError::Source(_)
+            | CoordinatorError::Etcd(_)
+            | CoordinatorError::NotLeader { .. } => tonic::Status::unavailable(message),
         }
     }
 }

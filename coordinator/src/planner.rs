@@ -281,6 +281,29 @@ fn validate_columns(
     }
 }
 
+/// Refuses, naming the grant, when the source role lacks a privilege on a table.
+async fn require_privileges(pool: &PgPool, task: &str, needed: &[(TableName, &str)]) -> Result<(), CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    for (table, privilege) in needed {
+        let (role, held): (String, bool) =
+            sqlx::query_as("SELECT current_user::text, has_table_privilege($1::regclass, $2)")
+                .bind(table.quoted())
+                .bind(*privilege)
+                .fetch_one(pool)
+                .await
+                .map_err(|e| setup(format!("reading the privileges on {table}: {e}")))?;
+        if !held {
+            return Err(setup(format!(
+                "the source role {role} cannot {} {table}: GRANT {privilege} ON {} TO {}",
+                privilege.to_lowercase(),
+                table.quoted(),
+                pg::quote_ident(&role)
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The source table as a task sees it: columns, version column and schema id.
 struct SourceInfo {
     pool: PgPool,
@@ -324,6 +347,17 @@ async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorEr
                 )));
             }
         }
+        // The workers read both logs; the coordinator purges the delete log past retention.
+        require_privileges(
+            &pool,
+            task,
+            &[
+                (delete_log_table(&table), "SELECT"),
+                (delete_log_table(&table), "DELETE"),
+                (truncate_log_table(&table), "SELECT"),
+            ],
+        )
+        .await?;
     }
     if config.open_transaction_bound {
         let (seen, _) = visibility::read(&pool, &table)

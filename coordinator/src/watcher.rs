@@ -36,16 +36,36 @@ pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Le
     };
     let interval = task.config.poll_interval.max(Duration::from_millis(500));
     let mut seen = Seen::default();
+    let mut failing = 0u32;
     loop {
         tokio::time::sleep(interval).await;
         if !leadership.is_leader() {
             continue;
         }
-        if let Err(error) = check(&control, &task, &pool, &mut seen).await {
-            tracing::warn!(task = %name, %error, "source check failed; retrying");
+        let Err(error) = check(&control, &task, &pool, &mut seen).await else {
+            failing = 0;
+            continue;
+        };
+        tracing::warn!(task = %name, %error, "source check failed; retrying");
+        // A check that keeps failing the same way (a missing grant, a dropped log) leaves the
+        // task unwatched: no retention, TRUNCATE, visibility or cursor check runs. Never in
+        // silence: pause it with the error.
+        let persistent = matches!(&error, CoordinatorError::Source(e) if !pg::is_transient(e));
+        failing = if persistent { failing + 1 } else { 0 };
+        if failing == MAX_FAILED_CHECKS {
+            let reason = format!(
+                "source checks keep failing: {error} ({MAX_FAILED_CHECKS} rounds in a row); the task's contract cannot be \
+                 checked: fix it (see the README's Source requirements), then `tidemark-coordinator tasks resume {name}`"
+            );
+            if let Err(error) = pause(&control, &name, &reason).await {
+                tracing::warn!(task = %name, %error, "pausing the task failed");
+            }
         }
     }
 }
+
+/// Rounds in a row a source check may fail the same persistent way before the task pauses.
+const MAX_FAILED_CHECKS: u32 = 5;
 
 /// What the watcher remembers between rounds.
 #[derive(Default)]
@@ -63,7 +83,8 @@ async fn check(
     let name = task.config.name.as_str();
     let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
         .fetch_one(source)
-        .await?;
+        .await
+        .map_err(CoordinatorError::Source)?;
     if let Some(DeletePolicy::TombstoneTable { retention }) = &task.config.delete_policy {
         enforce_retention(control, task, source, now, *retention).await?;
         check_truncation(control, task, source).await?;
@@ -81,7 +102,9 @@ async fn check(
     }
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
     if task.config.open_transaction_bound {
-        let (seen, prepared) = visibility::read(source, &table).await?;
+        let (seen, prepared) = visibility::read(source, &table)
+            .await
+            .map_err(CoordinatorError::Source)?;
         if let Some(reason) = seen.blind_spot(&table) {
             pause(
                 control,
@@ -131,7 +154,10 @@ async fn check(
     if task.config.mode.appends() {
         let key = &task.config.key[0];
         let query = format!("SELECT max({})::bigint FROM {}", quote_ident(key), table.quoted());
-        let source_max: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(query)).fetch_one(source).await?;
+        let source_max: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(query))
+            .fetch_one(source)
+            .await
+            .map_err(CoordinatorError::Source)?;
         let committed_max = control
             .committed_key_positions(name)
             .await?
@@ -209,7 +235,8 @@ async fn enforce_retention(
     let purged: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(purge))
         .bind(cutoff)
         .fetch_one(source)
-        .await?;
+        .await
+        .map_err(CoordinatorError::Source)?;
     if purged > 0 {
         tracing::info!(task = name, purged, cutoff = %format_micros(cutoff), "purged delete-log entries past retention");
     }
@@ -224,7 +251,8 @@ async fn check_truncation(control: &ControlDb, task: &PreparedTask, source: &PgP
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
     let truncated: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(deletes::last_truncate_query(&table)))
         .fetch_one(source)
-        .await?;
+        .await
+        .map_err(CoordinatorError::Source)?;
     let start = control
         .current_epoch(name)
         .await?
@@ -268,7 +296,8 @@ async fn impossible_cursor_values(
     let (infinite, newest): (Option<Vec<String>>, Option<i64>) =
         sqlx::query_as(sqlx::AssertSqlSafe(sql.cursor_extremes()))
             .fetch_one(source)
-            .await?;
+            .await
+            .map_err(CoordinatorError::Source)?;
     if let Some(mut values) = infinite {
         let value = values.pop().unwrap_or_default();
         return Ok(Some(format!(

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use tidemark_tests::{Cluster, TaskSettings, TestDb, key_states};
+use tidemark_tests::{Cluster, TaskSettings, TestDb, TestRole, key_states};
 
 const COLUMNS: &[&str] = &["id", "name", "qty", "updated_at", "deleted_at"];
 const CURSOR_VERSION: &str = "(extract(epoch from updated_at) * 1000000)::bigint";
@@ -877,4 +877,106 @@ async fn same_version_drift_is_found_by_content_and_a_retry_never_overwrites_it(
     assert_expected(&cluster, "true", CURSOR_VERSION, false, "after the retry").await;
     let again = cluster.reconcile(&["--full"]);
     assert_eq!(again["keys_repaired"], 0, "{again}");
+}
+
+/// The README's grants for a delete-log task are enough, and checked: without DELETE on the
+/// delete log the task is refused naming the grant; a source role holding exactly them
+/// (SELECT on the table, `pg_read_all_stats`, SELECT and DELETE on the delete log, SELECT on
+/// the TRUNCATE log) syncs deletes and re-inserts per key, and the watcher's every round
+/// (retention purge, TRUNCATE, visibility, cursor checks) runs without an error; revoked
+/// while running, the task pauses with the error. The owner (a superuser here) runs
+/// `source install`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_log_task_runs_on_the_documented_grants_alone() {
+    let reader = TestRole::create("delreader").await;
+    let mut cluster = Cluster::new("delgrants").await;
+    create_fixture(&cluster.source, 500).await;
+    let owner = TaskSettings {
+        shards: 2,
+        extra: "delete_policy = { kind = \"tombstone_table\", retention = \"1h\" }".into(),
+        ..TaskSettings::default()
+    };
+    cluster.write_config(&owner);
+    cluster.source_install();
+    let role = &reader.name;
+    cluster
+        .source
+        .exec(&format!(
+            "GRANT CONNECT ON DATABASE \"{db}\" TO \"{role}\"; GRANT USAGE ON SCHEMA public TO \"{role}\";
+             GRANT SELECT ON public.items TO \"{role}\"; GRANT pg_read_all_stats TO \"{role}\";
+             GRANT SELECT ON public.items_tidemark_deletes TO \"{role}\";
+             GRANT SELECT ON public.items_tidemark_truncates TO \"{role}\"",
+            db = cluster.source.name
+        ))
+        .await;
+    let settings = TaskSettings {
+        source_url: cluster.source.url_as(role),
+        ..owner
+    };
+    // Without DELETE on the delete log the coordinator could not purge it: refused by name.
+    let refused = cluster.refused_start(&settings);
+    let grant = format!("GRANT DELETE ON \"public\".\"items_tidemark_deletes\" TO \"{role}\"");
+    assert!(refused.contains(&grant), "{refused}");
+    cluster
+        .source
+        .exec(&format!("GRANT DELETE ON public.items_tidemark_deletes TO \"{role}\""))
+        .await;
+    cluster.start(&settings).await;
+    cluster.spawn_worker("delgrants-w", 2, &[]);
+    cluster
+        .wait_for("snapshot done", Duration::from_secs(60), |t| t.snapshot_complete)
+        .await;
+    cluster.source.exec("DELETE FROM items WHERE id % 10 = 0").await;
+    cluster
+        .source
+        .exec(
+            "BEGIN; DELETE FROM items WHERE id = 11; INSERT INTO items VALUES (11, 'again 11', 1, now(), NULL); COMMIT",
+        )
+        .await;
+    let end = source_now(&cluster.source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    // Several watcher rounds (poll 200 ms) have run since.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_expected(
+        &cluster,
+        "true",
+        CURSOR_VERSION,
+        false,
+        "a reader role with the README's grants",
+    )
+    .await;
+    let log = cluster.coordinator.as_ref().unwrap().log_text();
+    assert!(
+        !log.contains("source check failed") && !log.contains("permission denied"),
+        "every watcher round ran: {}",
+        log.lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(cluster.task_status().await.phase, "incremental");
+
+    // Revoked while the task runs: the watcher's checks fail every round, and the task pauses
+    // with the error instead of running unwatched.
+    cluster
+        .source
+        .exec(&format!(
+            "REVOKE DELETE ON public.items_tidemark_deletes FROM \"{role}\""
+        ))
+        .await;
+    let paused = cluster
+        .wait_for("paused: the source checks fail", Duration::from_secs(30), |t| {
+            t.phase == "paused"
+        })
+        .await;
+    assert!(
+        paused
+            .paused_reason
+            .starts_with("source checks keep failing: source database")
+            && paused
+                .paused_reason
+                .contains("permission denied for table items_tidemark_deletes"),
+        "{}",
+        paused.paused_reason
+    );
 }
