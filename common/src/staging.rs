@@ -25,6 +25,74 @@ pub enum StagingError {
     Conflict { path: String },
     #[error("staged batch {batch_id} is corrupt: {message}")]
     Corrupt { batch_id: String, message: String },
+    #[error(
+        "the staging store ignores create-only writes ({path} was overwritten): a zombie's manifest could replace \
+         the owner's; use a store that honours If-None-Match (AWS S3, MinIO, Ceph RGW, SeaweedFS, moto)"
+    )]
+    Unconditional { path: String },
+    #[error("the staging store did not answer within {timeout:?}")]
+    Unreachable { timeout: std::time::Duration },
+}
+
+impl StagingError {
+    /// Whether retrying cannot help: the store refuses our credentials or permissions.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            StagingError::Store {
+                source: object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. },
+                ..
+            } | StagingError::Unconditional { .. }
+        )
+    }
+}
+
+/// Options of an `s3://bucket/prefix?…` staging URL that must not travel in it: the URL
+/// goes to every worker with its assignment. Credentials come from each process's
+/// environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`), a web
+/// identity or an instance role, which object_store reads.
+const SECRET_S3_OPTIONS: [&str; 6] = [
+    "access_key_id",
+    "aws_access_key_id",
+    "secret_access_key",
+    "aws_secret_access_key",
+    "session_token",
+    "aws_session_token",
+];
+
+/// An S3-compatible store from `s3://bucket/prefix?endpoint=…&region=…&allow_http=true&
+/// virtual_hosted_style_request=false…` (any object_store S3 option by its name), with the
+/// rest of its configuration from the environment (`AWS_*`). Requests are retried with
+/// backoff on throttling and 5xx responses, at most 5 times and for 60 s.
+fn open_s3(url: &url::Url) -> Result<Staging, String> {
+    use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+    let mut base = url.clone();
+    base.set_query(None);
+    let mut builder = AmazonS3Builder::from_env().with_url(base.as_str());
+    for (key, value) in url.query_pairs() {
+        let key = key.to_ascii_lowercase();
+        if SECRET_S3_OPTIONS.contains(&key.as_str()) {
+            return Err(format!(
+                "{key} must not be in the staging URL (it is sent to every worker): set AWS_ACCESS_KEY_ID / \
+                 AWS_SECRET_ACCESS_KEY in each process's environment, or use an instance role"
+            ));
+        }
+        let config: AmazonS3ConfigKey = key
+            .parse()
+            .map_err(|_| format!("unknown S3 option {key:?} (object_store's S3 options: endpoint, region, allow_http, virtual_hosted_style_request, …)"))?;
+        builder = builder.with_config(config, value.into_owned());
+    }
+    let retry = object_store::RetryConfig {
+        max_retries: 5,
+        retry_timeout: std::time::Duration::from_secs(60),
+        ..Default::default()
+    };
+    let store = builder.with_retry(retry).build().map_err(|e| e.to_string())?;
+    let prefix = Path::from_url_path(url.path()).map_err(|e| e.to_string())?;
+    Ok(Staging {
+        store: Arc::new(store),
+        prefix,
+    })
 }
 
 #[derive(Clone)]
@@ -51,11 +119,47 @@ impl Staging {
             let dir = url.to_file_path().map_err(|_| url_error("not a local path".into()))?;
             std::fs::create_dir_all(&dir).map_err(|e| url_error(e.to_string()))?;
         }
+        if matches!(url.scheme(), "s3" | "s3a") {
+            return open_s3(&url).map_err(url_error);
+        }
         let (store, prefix) = object_store::parse_url(&url).map_err(|e| url_error(e.to_string()))?;
         Ok(Staging {
             store: Arc::from(store),
             prefix,
         })
+    }
+
+    /// Checks that the store answers and honours create-only writes (`If-None-Match: *` on
+    /// S3): a probe object is created, created again with other bytes (which must be refused),
+    /// and deleted. A store that ignores the condition would let a zombie's manifest replace
+    /// the owner's, so it is refused by name; an unreachable or misconfigured one fails here,
+    /// within `timeout`, instead of on the first batch.
+    pub async fn probe(&self, timeout: std::time::Duration) -> Result<(), StagingError> {
+        let path = format!("_tidemark/probe-{}", uuid::Uuid::new_v4().simple());
+        let check = async {
+            self.put_if_absent(&path, Bytes::from_static(b"first")).await?;
+            let again = self
+                .store
+                .put_opts(
+                    &self.location(&path),
+                    PutPayload::from(Bytes::from_static(b"second")),
+                    PutOptions::from(PutMode::Create),
+                )
+                .await;
+            let result = match again {
+                Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
+                Ok(_) => Err(StagingError::Unconditional { path: path.clone() }),
+                Err(source) => Err(StagingError::Store {
+                    path: path.clone(),
+                    source,
+                }),
+            };
+            self.delete(&path).await?;
+            result
+        };
+        tokio::time::timeout(timeout, check)
+            .await
+            .map_err(|_| StagingError::Unreachable { timeout })?
     }
 
     fn batch_dir(&self, task: &str, epoch: u64, shard_id: u32, batch_id: &str) -> String {

@@ -523,6 +523,12 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         .with_context(|| format!("etcd {}", settings.etcd_endpoints.join(",")))?;
 
     let staging = tidemark_common::staging::Staging::open(&settings.staging)?;
+    // A wrong endpoint, bucket or credentials, or a store without create-only writes, fails
+    // here, named, and not on the first batch.
+    staging
+        .probe(Duration::from_secs(30))
+        .await
+        .with_context(|| format!("staging {}", redact_url(&settings.staging)))?;
     tokio::spawn(tidemark_coordinator::janitor::collect_staging(
         control.clone(),
         staging,

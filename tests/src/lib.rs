@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 pub mod faults;
 pub mod otlp;
+pub mod s3;
 
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -386,6 +387,8 @@ pub struct TaskSettings {
     pub target_table: String,
     /// The task's source URL; empty: the cluster's source database as `postgres`.
     pub source_url: String,
+    /// The staging URL; empty: a `file://` directory of the cluster's.
+    pub staging_url: String,
 }
 
 impl Default for TaskSettings {
@@ -407,6 +410,7 @@ impl Default for TaskSettings {
             coordinator_extra: String::new(),
             target_table: String::new(),
             source_url: String::new(),
+            staging_url: String::new(),
         }
     }
 }
@@ -469,7 +473,7 @@ impl Cluster {
 listen = "127.0.0.1:{port}"
 etcd_endpoints = ["{etcd}"]
 control_db = "{control}"
-staging = "file://{staging}"
+staging = "{staging}"
 lease_ttl = "{ttl}"
 staging_retention = "{retention}"
 {coordinator_extra}
@@ -491,7 +495,11 @@ open_transaction_bound = {bound}
 "#,
             etcd = self.etcd.endpoint,
             control = self.control.url,
-            staging = self.dir.0.join("staging").display(),
+            staging = if task.staging_url.is_empty() {
+                format!("file://{}", self.dir.0.join("staging").display())
+            } else {
+                task.staging_url.clone()
+            },
             ttl = task.lease_ttl,
             retention = task.staging_retention,
             coordinator_extra = task.coordinator_extra,
@@ -567,11 +575,12 @@ open_transaction_bound = {bound}
     /// 60 s. Returns its log.
     pub fn refused_start(&mut self, task: &TaskSettings) -> String {
         let config = self.write_config(task);
+        let env: Vec<(&str, &str)> = task.coordinator_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let mut coordinator = Process::spawn(
             "refused-coordinator",
             &binary("tidemark-coordinator"),
             &["serve", "--config", config.to_str().unwrap()],
-            &[],
+            &env,
             &self.dir.0,
         );
         let status = coordinator.wait_exit(Duration::from_secs(60));

@@ -49,9 +49,9 @@ impl WorkerError {
             | WorkerError::Verify(_)
             | WorkerError::Assignment(_)
             | WorkerError::SchemaChanged(_) => true,
+            WorkerError::Staging(error) => error.is_permanent(),
             WorkerError::Fenced(_)
             | WorkerError::Coordinator(_)
-            | WorkerError::Staging(_)
             | WorkerError::BinaryTypes(_)
             | WorkerError::TargetRejects(_) => false,
         }

@@ -1,0 +1,122 @@
+//! An S3-compatible server of the test's own: `moto_server` (PyPI `moto[server]`, installed
+//! by `scripts/setup.sh` into `.tidemark-run/venv`), which honours `If-None-Match: *` like AWS
+//! S3. One per test, on a free loopback port, with a bucket of a unique name; killed on drop.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{free_port, unique_name};
+
+pub struct S3Server {
+    pub endpoint: String,
+    pub bucket: String,
+    port: u16,
+    child: Child,
+}
+
+/// Credentials moto accepts; every process that reaches it gets them in its environment.
+pub const S3_ENV: [(&str, &str); 3] = [
+    ("AWS_ACCESS_KEY_ID", "tidemark-test"),
+    ("AWS_SECRET_ACCESS_KEY", "tidemark-test"),
+    ("AWS_REGION", "us-east-1"),
+];
+
+fn moto_server() -> PathBuf {
+    if let Some(path) = std::env::var_os("TIDEMARK_MOTO_SERVER") {
+        return PathBuf::from(path);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let path = root.join(".tidemark-run/venv/bin/moto_server");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/setup.sh (it installs moto[server] into a venv)",
+        path.display()
+    );
+    path
+}
+
+impl S3Server {
+    pub fn start() -> S3Server {
+        let port = free_port();
+        let child = Command::new(moto_server())
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("moto_server starts");
+        let server = S3Server {
+            endpoint: format!("http://127.0.0.1:{port}"),
+            bucket: unique_name("bucket").replace('_', "-").to_lowercase(),
+            port,
+            child,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while server.request("GET", "/").is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "moto_server did not answer on port {port} within 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let status = server.request("PUT", &format!("/{}", server.bucket)).unwrap();
+        assert!(
+            status.starts_with("HTTP/1.1 200"),
+            "creating bucket {}: {status}",
+            server.bucket
+        );
+        server
+    }
+
+    /// The object keys under `prefix` (one listing page: up to 1,000 keys).
+    pub fn keys(&self, prefix: &str) -> Vec<String> {
+        let body = self
+            .response("GET", &format!("/{}?list-type=2&prefix={prefix}", self.bucket))
+            .unwrap();
+        body.split("<Key>")
+            .skip(1)
+            .filter_map(|part| part.split_once("</Key>").map(|(key, _)| key.to_string()))
+            .collect()
+    }
+
+    /// One plain HTTP request; returns the status line.
+    fn request(&self, method: &str, path: &str) -> std::io::Result<String> {
+        Ok(self
+            .response(method, path)?
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string())
+    }
+
+    /// One plain HTTP request; returns the whole response.
+    fn response(&self, method: &str, path: &str) -> std::io::Result<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            self.port
+        )?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        Ok(response)
+    }
+
+    /// The staging URL of a prefix in this server's bucket.
+    pub fn staging_url(&self, prefix: &str) -> String {
+        format!(
+            "s3://{}/{prefix}?endpoint={}&allow_http=true&virtual_hosted_style_request=false",
+            self.bucket, self.endpoint
+        )
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
