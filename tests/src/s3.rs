@@ -70,39 +70,79 @@ impl S3Server {
         server
     }
 
-    /// The object keys under `prefix` (one listing page: up to 1,000 keys).
-    pub fn keys(&self, prefix: &str) -> Vec<String> {
-        let body = self
-            .response("GET", &format!("/{}?list-type=2&prefix={prefix}", self.bucket))
+    /// An authenticated client of the bucket, as Tidemark's processes reach it.
+    fn store(&self) -> object_store::aws::AmazonS3 {
+        object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(&self.endpoint)
+            .with_bucket_name(&self.bucket)
+            .with_region("us-east-1")
+            .with_access_key_id(S3_ENV[0].1)
+            .with_secret_access_key(S3_ENV[1].1)
+            .with_allow_http(true)
+            .with_virtual_hosted_style_request(false)
+            .build()
+            .unwrap()
+    }
+
+    /// The object keys under `prefix`.
+    pub async fn keys(&self, prefix: &str) -> Vec<String> {
+        use futures::TryStreamExt;
+        use object_store::ObjectStore;
+        let prefix = object_store::path::Path::from(prefix.trim_end_matches('/'));
+        let store = self.store();
+        let listed: Vec<object_store::ObjectMeta> = store.list(Some(&prefix)).try_collect().await.unwrap();
+        listed.into_iter().map(|meta| meta.location.to_string()).collect()
+    }
+
+    /// An object's bytes (`key` relative to the bucket).
+    pub async fn get_object(&self, key: &str) -> Vec<u8> {
+        use object_store::ObjectStoreExt;
+        let store = self.store();
+        let object = store.get(&object_store::path::Path::from(key)).await.unwrap();
+        object.bytes().await.unwrap().to_vec()
+    }
+
+    pub async fn put_object(&self, key: &str, bytes: &[u8]) {
+        use object_store::ObjectStoreExt;
+        self.store()
+            .put(&object_store::path::Path::from(key), bytes.to_vec().into())
+            .await
             .unwrap();
-        body.split("<Key>")
-            .skip(1)
-            .filter_map(|part| part.split_once("</Key>").map(|(key, _)| key.to_string()))
-            .collect()
+    }
+
+    pub async fn delete_object(&self, key: &str) {
+        use object_store::ObjectStoreExt;
+        self.store().delete(&object_store::path::Path::from(key)).await.unwrap();
     }
 
     /// One plain HTTP request; returns the status line.
     fn request(&self, method: &str, path: &str) -> std::io::Result<String> {
-        Ok(self
-            .response(method, path)?
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .to_string())
+        Ok(self.exchange(method, path, &[])?.0)
     }
 
-    /// One plain HTTP request; returns the whole response.
-    fn response(&self, method: &str, path: &str) -> std::io::Result<String> {
+    /// One plain HTTP/1.1 request with a body; returns the status line and the body.
+    fn exchange(&self, method: &str, path: &str, body: &[u8]) -> std::io::Result<(String, Vec<u8>)> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
         write!(
             stream,
-            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-            self.port
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            self.port,
+            body.len()
         )?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        Ok(response)
+        stream.write_all(body)?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response)?;
+        let split = response
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map_or(response.len(), |i| i + 4);
+        let status = String::from_utf8_lossy(&response[..split])
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        Ok((status, response[split..].to_vec()))
     }
 
     /// The staging URL of a prefix in this server's bucket.

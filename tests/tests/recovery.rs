@@ -9,6 +9,7 @@ use sqlx::Row;
 use tidemark_common::cursor::{Cursor, KeyValue, Position};
 use tidemark_proto::v1 as pb;
 use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
+use tidemark_tests::s3::{S3_ENV, S3Server};
 use tidemark_tests::{Cluster, KeyKind, TaskSettings, create_items, insert_items};
 
 /// Every committed batch is in the target ledger exactly once with the registered content,
@@ -448,52 +449,107 @@ enum Tamper {
     DeleteData,
 }
 
+/// Where a test's staged objects are: the cluster's `file://` directory, or a prefix in a
+/// bucket of a test S3 server. Paths are relative to the staging root.
+enum StagedObjects<'a> {
+    Dir(std::path::PathBuf),
+    S3 { server: &'a S3Server, prefix: String },
+}
+
+impl StagedObjects<'_> {
+    async fn read(&self, path: &str) -> Vec<u8> {
+        match self {
+            StagedObjects::Dir(dir) => std::fs::read(dir.join(path)).unwrap(),
+            StagedObjects::S3 { server, prefix } => server.get_object(&format!("{prefix}/{path}")).await,
+        }
+    }
+
+    async fn write(&self, path: &str, bytes: &[u8]) {
+        match self {
+            StagedObjects::Dir(dir) => std::fs::write(dir.join(path), bytes).unwrap(),
+            StagedObjects::S3 { server, prefix } => server.put_object(&format!("{prefix}/{path}"), bytes).await,
+        }
+    }
+
+    async fn delete(&self, path: &str) {
+        match self {
+            StagedObjects::Dir(dir) => std::fs::remove_file(dir.join(path)).unwrap(),
+            StagedObjects::S3 { server, prefix } => server.delete_object(&format!("{prefix}/{path}")).await,
+        }
+    }
+
+    async fn list(&self) -> Vec<String> {
+        match self {
+            StagedObjects::Dir(dir) => walk(dir).iter().map(|p| p.display().to_string()).collect(),
+            StagedObjects::S3 { server, prefix } => server.keys(prefix).await,
+        }
+    }
+}
+
 /// A worker crashes at `point` on its second batch; the staged objects it left are tampered
-/// with; the next owner must still converge, per key, without applying a torn batch.
-async fn crash_and_tamper(tag: &str, point: &str, tamper: Tamper) {
+/// with; the next owner must still converge, per key, without applying a torn batch. With
+/// `s3`, the staging store is a prefix of that server's bucket.
+async fn crash_and_tamper(tag: &str, point: &str, tamper: Tamper, s3: Option<&S3Server>) {
     let mut cluster = Cluster::new(tag).await;
     create_items(&cluster.source, KeyKind::Bigint, 3000).await;
+    let (staged, staging_url, env) = match s3 {
+        None => (
+            StagedObjects::Dir(cluster.dir.0.join("staging")),
+            String::new(),
+            Vec::new(),
+        ),
+        Some(server) => (
+            StagedObjects::S3 {
+                server,
+                prefix: tag.to_string(),
+            },
+            server.staging_url(tag),
+            S3_ENV.to_vec(),
+        ),
+    };
     cluster
         .start(&TaskSettings {
             shards: 1,
             page_size: 1000,
             overlap: "0s",
             staging_retention: "1s",
+            staging_url,
+            coordinator_env: env.iter().map(|(k, v)| (*k, v.to_string())).collect(),
             ..TaskSettings::default()
         })
         .await;
     let crash_at = format!("{point}:2");
-    let first = cluster.spawn_worker("first", 1, &[("TIDEMARK_CRASH_AT", crash_at.as_str())]);
+    let mut first_env = env.clone();
+    first_env.push(("TIDEMARK_CRASH_AT", crash_at.as_str()));
+    let first = cluster.spawn_worker("first", 1, &first_env);
     let exit = cluster.workers[first]
         .wait_exit(Duration::from_secs(60))
         .expect("the crash point was reached");
     assert!(!exit.success(), "{tag}: killed");
 
-    let staging = cluster.dir.0.join("staging");
     let registered: Option<String> = sqlx::query_scalar("SELECT manifest_path FROM batches WHERE state = 'STAGED'")
         .fetch_optional(&cluster.control.pool)
         .await
         .unwrap();
     if let Some(manifest_path) = &registered {
-        let manifest_file = staging.join(manifest_path);
-        let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(&manifest_file).unwrap()).unwrap();
-        let data_file = staging.join(manifest["data_path"].as_str().unwrap());
+        let manifest: serde_json::Value = serde_json::from_slice(&staged.read(manifest_path).await).unwrap();
+        let data_path = manifest["data_path"].as_str().unwrap();
         match tamper {
             Tamper::None => {}
             Tamper::FlipDataByte => {
-                let mut bytes = std::fs::read(&data_file).unwrap();
+                let mut bytes = staged.read(data_path).await;
                 bytes[10] ^= 0x20;
-                std::fs::write(&data_file, bytes).unwrap();
+                staged.write(data_path, &bytes).await;
             }
             Tamper::TruncateData => {
-                let bytes = std::fs::read(&data_file).unwrap();
-                std::fs::write(&data_file, &bytes[..bytes.len() / 3]).unwrap();
+                let bytes = staged.read(data_path).await;
+                staged.write(data_path, &bytes[..bytes.len() / 3]).await;
             }
-            Tamper::DeleteManifest => std::fs::remove_file(&manifest_file).unwrap(),
-            Tamper::DeleteData => std::fs::remove_file(&data_file).unwrap(),
+            Tamper::DeleteManifest => staged.delete(manifest_path).await,
+            Tamper::DeleteData => staged.delete(data_path).await,
         }
     }
-    cluster.spawn_worker("second", 1, &[]);
+    cluster.spawn_worker("second", 1, &env);
     cluster
         .wait_for("snapshot complete", Duration::from_secs(60), |t| t.snapshot_complete)
         .await;
@@ -520,7 +576,7 @@ async fn crash_and_tamper(tag: &str, point: &str, tamper: Tamper) {
     // torn ones included.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let left = walk(&staging);
+        let left = staged.list().await;
         if left.is_empty() {
             break;
         }
@@ -552,16 +608,36 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn torn_and_tampered_staging_never_reaches_the_target() {
     tokio::join!(
-        crash_and_tamper("torn_mid", "mid_data", Tamper::None),
-        crash_and_tamper("torn_data", "after_data", Tamper::None),
-        crash_and_tamper("torn_flip", "after_register", Tamper::FlipDataByte),
-        crash_and_tamper("torn_trunc", "after_register", Tamper::TruncateData),
-        crash_and_tamper("torn_manifest", "after_register", Tamper::DeleteManifest),
+        crash_and_tamper("torn_mid", "mid_data", Tamper::None, None),
+        crash_and_tamper("torn_data", "after_data", Tamper::None, None),
+        crash_and_tamper("torn_flip", "after_register", Tamper::FlipDataByte, None),
+        crash_and_tamper("torn_trunc", "after_register", Tamper::TruncateData, None),
+        crash_and_tamper("torn_manifest", "after_register", Tamper::DeleteManifest, None),
     );
     tokio::join!(
-        crash_and_tamper("torn_inapply", "in_apply", Tamper::None),
-        crash_and_tamper("torn_applied", "after_apply", Tamper::DeleteData),
-        crash_and_tamper("torn_commit", "after_commit", Tamper::None),
+        crash_and_tamper("torn_inapply", "in_apply", Tamper::None, None),
+        crash_and_tamper("torn_applied", "after_apply", Tamper::DeleteData, None),
+        crash_and_tamper("torn_commit", "after_commit", Tamper::None, None),
+    );
+}
+
+/// The same crashes and tampering on S3 staging (a moto server): a torn write (a crash
+/// mid-upload leaves a prefix at the final key), a flipped byte, a truncated or deleted
+/// object, a deleted manifest. Every key converges, no torn batch reaches the target, and
+/// the janitor's S3 listing collects every object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn torn_and_tampered_s3_staging_never_reaches_the_target() {
+    let s3 = S3Server::start();
+    let s3 = Some(&s3);
+    tokio::join!(
+        crash_and_tamper("s3torn_mid", "mid_data", Tamper::None, s3),
+        crash_and_tamper("s3torn_flip", "after_register", Tamper::FlipDataByte, s3),
+        crash_and_tamper("s3torn_trunc", "after_register", Tamper::TruncateData, s3),
+        crash_and_tamper("s3torn_manifest", "after_register", Tamper::DeleteManifest, s3),
+    );
+    tokio::join!(
+        crash_and_tamper("s3torn_applied", "after_apply", Tamper::DeleteData, s3),
+        crash_and_tamper("s3torn_commit", "after_commit", Tamper::None, s3),
     );
 }
 

@@ -37,7 +37,7 @@ async fn sync_converges_with_s3_staging() {
     let diff = cluster.items_diff().await;
     diff.assert_clean("after the changes through S3");
     assert_eq!(diff.keys, 42_000);
-    let keys = s3.keys("tidemark/staging/");
+    let keys = s3.keys("tidemark/staging").await;
     let manifests = keys.iter().filter(|k| k.contains("/manifest-")).count();
     let data = keys.iter().filter(|k| k.contains("/data-")).count();
     assert!(
