@@ -432,8 +432,8 @@ pub struct Cluster {
     pub worker_address: Option<String>,
     /// The coordinator serves TLS (`tls` in `coordinator_extra`): its address is `https://`.
     pub https: bool,
-    /// Environment of every worker and CLI process, and the harness's own status client's
-    /// TLS settings (`TIDEMARK_TLS_*`).
+    /// Environment of every coordinator, worker and CLI process (S3 credentials, say), and
+    /// the harness's own status client's TLS settings (`TIDEMARK_TLS_*`).
     pub client_env: Vec<(String, String)>,
     restarts: u32,
 }
@@ -547,11 +547,17 @@ open_transaction_bound = {bound}
             let _ = std::fs::rename(&old.log, self.dir.0.join(format!("{name}.log")));
         }
         self.restarts += 1;
+        let env: Vec<(&str, &str)> = self
+            .client_env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .chain(env.iter().copied())
+            .collect();
         let coordinator = Process::spawn(
             "coordinator",
             &binary("tidemark-coordinator"),
             &["serve", "--config", config.to_str().unwrap()],
-            env,
+            &env,
             &self.dir.0,
         );
         self.coordinator = Some(coordinator);

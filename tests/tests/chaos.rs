@@ -18,6 +18,7 @@ use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::cursor::{Cursor, Position};
 use tidemark_tests::faults::{FaultProxy, PrivatePg, Rng};
+use tidemark_tests::s3::{S3_ENV, S3Server};
 use tidemark_tests::{Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, compare_table, create_items};
 
 const WORKER_CRASH_POINTS: &[&str] = &[
@@ -31,6 +32,7 @@ const WORKER_CRASH_POINTS: &[&str] = &[
     "after_commit",
 ];
 
+#[derive(Clone, Copy)]
 struct Knobs {
     rows: i64,
     workers: usize,
@@ -285,6 +287,26 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chaos() {
     let knobs = Knobs::from_env();
+    let staging = std::env::var("CHAOS_STAGING").unwrap_or_else(|_| "both".into());
+    if matches!(staging.as_str(), "file" | "both") {
+        run_chaos(&knobs, None).await;
+    }
+    if matches!(staging.as_str(), "s3" | "both") {
+        // The same faults with S3 staging (a moto server), shorter: staging on object storage
+        // must hold every rule a disk does.
+        let s3 = S3Server::start();
+        let short = Knobs {
+            rows: knobs.rows / 2,
+            fault_seconds: knob("CHAOS_S3_SECONDS", 40),
+            ..knobs
+        };
+        run_chaos(&short, Some(&s3)).await;
+    }
+}
+
+/// One chaos run (see the module); `s3`: staging in that server's bucket instead of a
+/// `file://` directory.
+async fn run_chaos(knobs: &Knobs, s3: Option<&S3Server>) {
     MAX_SHARDS.store(
         (knobs.shards * 2 / knobs.workers as u32).max(2),
         std::sync::atomic::Ordering::SeqCst,
@@ -295,7 +317,10 @@ async fn chaos() {
         "chaos: seed {} rows {} workers {} shards {} ops/s {} faults {}s",
         knobs.seed, knobs.rows, knobs.workers, knobs.shards, knobs.ops_per_second, knobs.fault_seconds
     );
-    let mut cluster = Cluster::new("chaos").await;
+    let mut cluster = Cluster::new(if s3.is_some() { "chaos_s3" } else { "chaos" }).await;
+    if s3.is_some() {
+        cluster.client_env = S3_ENV.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    }
     // The target runs on a private server so that it can be crashed (-m immediate).
     let private = PrivatePg::start();
     let target_url = match &private {
@@ -316,6 +341,7 @@ async fn chaos() {
         page_size: 2000,
         overlap: "3s",
         staging_retention: "20s",
+        staging_url: s3.map(|s3| s3.staging_url("chaos")).unwrap_or_default(),
         ..TaskSettings::default()
     };
     let config = cluster.write_config(&settings);
@@ -637,7 +663,11 @@ async fn chaos() {
     let mut resume = tally.resume_times.clone();
     resume.sort();
 
-    println!("== chaos summary (seed {}) ==", knobs.seed);
+    println!(
+        "== chaos summary (seed {}, staging {}) ==",
+        knobs.seed,
+        if s3.is_some() { "s3" } else { "file" }
+    );
     println!(
         "rows {} + {} writer changes; workers {}; shards {}; wall {:.0}s",
         knobs.rows,
