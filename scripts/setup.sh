@@ -24,13 +24,18 @@ fi
 # system python; a pyenv python gets it from PyPI).
 python3 -c 'import yaml' 2>/dev/null || python3 -m pip install -q pyyaml
 
-# moto, an S3-compatible server for the S3 staging tests, in a venv of the project's own
-# (PyPI; it honours If-None-Match like AWS S3).
+# In a venv of the project's own (PyPI): moto, an S3-compatible server for the S3 staging
+# tests (it honours If-None-Match like AWS S3), and kubernetes-validate, which checks the
+# Kubernetes manifests against the API schemas offline.
 venv="$(dirname "$0")/../.tidemark-run/venv"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 if [ ! -x "$venv/bin/moto_server" ]; then
   echo "setup: installing moto[server] into $venv"
-  python3 -m venv "$venv"
   "$venv/bin/pip" install -q 'moto[server]==5.2.5'
+fi
+if [ ! -x "$venv/bin/kubernetes-validate" ]; then
+  echo "setup: installing kubernetes-validate into $venv"
+  "$venv/bin/pip" install -q 'kubernetes-validate==1.37.0'
 fi
 
 if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
