@@ -36,6 +36,10 @@ struct Args {
     /// Print the results as one JSON object as well.
     #[arg(long)]
     json: bool,
+    /// Then run the snapshot once more (source generated again) with S3 staging (a moto server; `scripts/setup.sh`
+    /// installs it) into a fresh target, and print it beside the `file://` run.
+    #[arg(long)]
+    compare_s3: bool,
 }
 
 const TABLE: &str = "CREATE TABLE bench_items (
@@ -153,40 +157,7 @@ async fn main() -> anyhow::Result<()> {
     eprintln!("baseline COPY binary pipe: {base_secs:.1}s");
     drop(base);
 
-    let settings = TaskSettings {
-        source_table: "public.bench_items".into(),
-        cursor_column: "updated_at".into(),
-        shards: args.shards,
-        page_size: args.page_size,
-        safety_delay: "2s",
-        poll_interval: "500ms",
-        lease_ttl: "10s",
-        overlap: "2s",
-        ..TaskSettings::default()
-    };
-    cluster.start(&settings).await;
-    let mut metrics = Vec::new();
-    let started = Instant::now();
-    for i in 0..args.workers {
-        let listen = format!("127.0.0.1:{}", free_port());
-        // An even share of the shards each, so that every worker's peak RSS is comparable.
-        cluster.spawn_worker(
-            &format!("bench-w{i}"),
-            args.shards.div_ceil(args.workers.max(1) as u32),
-            &[
-                ("TIDEMARK_METRICS_LISTEN", &listen),
-                ("TIDEMARK_COPY_FORMAT", &args.copy_format),
-            ],
-        );
-        metrics.push(listen);
-    }
-    let timeout = Duration::from_secs((rows as u64 / 2_000).max(300));
-    cluster
-        .wait_for("snapshot complete", timeout, |t| {
-            t.snapshot_complete && t.rows_applied >= rows as u64
-        })
-        .await;
-    let snapshot_secs = started.elapsed().as_secs_f64();
+    let (snapshot_secs, metrics) = snapshot(&mut cluster, &args, String::new()).await;
     let staging_bytes = dir_bytes(&cluster.dir.0.join("staging"));
     let check = "SELECT count(*)::text || ' / ' || sum(amount)::text FROM bench_items";
     let (source_sum, target_sum) = (
@@ -281,8 +252,37 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
+    let s3_secs = if args.compare_s3 {
+        drop(cluster);
+        let s3 = tidemark_tests::s3::S3Server::start();
+        let mut cluster = Cluster::new("bench_s3").await;
+        cluster.client_env = tidemark_tests::s3::S3_ENV
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        generate(&cluster.source, rows).await;
+        let (secs, _) = snapshot(&mut cluster, &args, s3.staging_url("bench")).await;
+        let check = "SELECT count(*)::text || ' / ' || sum(amount)::text FROM bench_items";
+        assert_eq!(
+            scalar(&cluster.source, check).await,
+            scalar(&cluster.target, check).await,
+            "target equals source after the S3 snapshot"
+        );
+        let objects = s3.keys("bench").await.len();
+        println!(
+            "  snapshot, S3 staging    {secs:>10.1} s  {:>10.0} rows/s (moto_server on loopback, {objects} objects; \
+             {:.2} of the file:// run, {:.2} of the baseline)",
+            rows as f64 / secs,
+            snapshot_secs / secs,
+            base_secs / secs
+        );
+        Some(secs)
+    } else {
+        None
+    };
     if args.json {
         let value = serde_json::json!({
+            "s3_snapshot_seconds": s3_secs,
             "rows": rows, "baseline_seconds": base_secs, "baseline_rows_per_second": base_rate,
             "snapshot_seconds": snapshot_secs, "snapshot_rows_per_second": rate, "ratio": rate / base_rate,
             "updates": updated, "update_latency_seconds": update_secs, "update_statement_seconds": statement_secs, "worker_peak_rss_mib": rss,
@@ -293,6 +293,48 @@ async fn main() -> anyhow::Result<()> {
         println!("{value}");
     }
     Ok(())
+}
+
+/// Starts the coordinator and the workers on `staging` (empty: the cluster's `file://`
+/// directory) and waits for the whole snapshot; returns its seconds and the workers'
+/// metrics addresses.
+async fn snapshot(cluster: &mut Cluster, args: &Args, staging: String) -> (f64, Vec<String>) {
+    let rows = args.rows;
+    let settings = TaskSettings {
+        source_table: "public.bench_items".into(),
+        cursor_column: "updated_at".into(),
+        shards: args.shards,
+        page_size: args.page_size,
+        safety_delay: "2s",
+        poll_interval: "500ms",
+        lease_ttl: "10s",
+        overlap: "2s",
+        staging_url: staging,
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    let mut metrics = Vec::new();
+    let started = Instant::now();
+    for i in 0..args.workers {
+        let listen = format!("127.0.0.1:{}", free_port());
+        // An even share of the shards each, so that every worker's peak RSS is comparable.
+        cluster.spawn_worker(
+            &format!("bench-w{i}"),
+            args.shards.div_ceil(args.workers.max(1) as u32),
+            &[
+                ("TIDEMARK_METRICS_LISTEN", &listen),
+                ("TIDEMARK_COPY_FORMAT", &args.copy_format),
+            ],
+        );
+        metrics.push(listen);
+    }
+    let timeout = Duration::from_secs((rows as u64 / 2_000).max(300));
+    cluster
+        .wait_for("snapshot complete", timeout, |t| {
+            t.snapshot_complete && t.rows_applied >= rows as u64
+        })
+        .await;
+    (started.elapsed().as_secs_f64(), metrics)
 }
 
 /// Seconds per protocol step, summed over the workers' `tidemark_batch_step_seconds`.
