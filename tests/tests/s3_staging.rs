@@ -79,7 +79,12 @@ async fn a_misconfigured_s3_store_is_refused_at_start() {
             "access_key_id must not be in the staging URL",
         ),
     ];
+    // SeaweedFS creates a bucket on its first write, so there a missing bucket is no error.
+    let seaweedfs = std::env::var("TIDEMARK_TEST_S3").is_ok_and(|b| b == "seaweedfs");
     for (url, expected) in cases {
+        if seaweedfs && expected == "404 Not Found" {
+            continue;
+        }
         let settings = TaskSettings {
             staging_url: url.clone(),
             coordinator_env: s3_env(),
