@@ -129,6 +129,15 @@ impl Staging {
         })
     }
 
+    /// A staging store on an object store built elsewhere (a test's client with its own
+    /// credentials), under `prefix`.
+    pub fn from_store(store: Arc<dyn ObjectStore>, prefix: &str) -> Staging {
+        Staging {
+            store,
+            prefix: Path::from(prefix),
+        }
+    }
+
     /// Checks that the store answers and honours create-only writes (`If-None-Match: *` on
     /// S3): a probe object is created, created again with other bytes (which must be refused),
     /// and deleted. A store that ignores the condition would let a zombie's manifest replace

@@ -103,7 +103,7 @@ impl S3Server {
     }
 
     /// An authenticated client of the bucket, as Tidemark's processes reach it.
-    fn store(&self) -> object_store::aws::AmazonS3 {
+    pub fn store(&self) -> object_store::aws::AmazonS3 {
         object_store::aws::AmazonS3Builder::new()
             .with_endpoint(&self.endpoint)
             .with_bucket_name(&self.bucket)

@@ -99,3 +99,55 @@ async fn a_misconfigured_s3_store_is_refused_at_start() {
         );
     }
 }
+
+/// Create-only writes on S3: the same manifest path written again with other bytes (another
+/// owner's, a zombie's) is refused and leaves the first manifest as it was; the same bytes
+/// again (a retried PUT) are success. The staging code itself, against a real server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_writer_never_replaces_a_staged_manifest_on_s3() {
+    use tidemark_common::batch::{Manifest, content_hash};
+    use tidemark_common::staging::{Staging, StagingError};
+    let s3 = S3Server::start();
+    let staging = Staging::from_store(std::sync::Arc::new(s3.store()), "create-only");
+    staging.probe(Duration::from_secs(30)).await.unwrap();
+    let data = bytes::Bytes::from_static(b"1\tone\n2\ttwo\n");
+    let mut first = Manifest {
+        format_version: tidemark_common::batch::MANIFEST_FORMAT_VERSION,
+        batch_id: "b1".into(),
+        task: "items".into(),
+        epoch: 1,
+        shard_id: 0,
+        lower: "{}".into(),
+        upper: "{}".into(),
+        row_count: 2,
+        byte_size: data.len() as u64,
+        content_hash: content_hash(&data),
+        schema_id: "schema2-x".into(),
+        fence_token: 7,
+        data_path: String::new(),
+        data_format: "pg_copy_text".into(),
+        repair: false,
+        target_layout: false,
+    };
+    let mut again = first.clone();
+    let path = staging.write_batch(&mut first, data.clone()).await.unwrap();
+    assert_eq!(
+        staging.write_batch(&mut again, data.clone()).await.unwrap(),
+        path,
+        "the same bytes: success"
+    );
+    let mut other = Manifest {
+        row_count: 3,
+        ..again.clone()
+    };
+    match staging.write_batch(&mut other, data.clone()).await {
+        Err(StagingError::Conflict { path: refused }) => assert_eq!(refused, path),
+        result => panic!("a different manifest at {path} must be refused: {result:?}"),
+    }
+    let (kept, read) = staging.read_batch(&path).await.unwrap();
+    assert_eq!(
+        (kept.row_count, read),
+        (2, data),
+        "the first manifest and its data stay"
+    );
+}
