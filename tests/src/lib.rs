@@ -436,17 +436,41 @@ pub struct Cluster {
     /// the harness's own status client's TLS settings (`TIDEMARK_TLS_*`).
     pub client_env: Vec<(String, String)>,
     restarts: u32,
+    /// This cluster's share of the server's connections; released last.
+    _slot: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// How many clusters one test process runs at once. Each holds about ten PostgreSQL
+/// connections (coordinator, workers, the harness's pools), and the server allows 100: nine
+/// at once ran it out (`too many clients`, seen as `PoolTimedOut`). Further clusters wait
+/// for a slot. `TIDEMARK_TEST_CLUSTERS` overrides the default of 5.
+async fn cluster_slot() -> tokio::sync::OwnedSemaphorePermit {
+    static SLOTS: std::sync::OnceLock<std::sync::Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
+    let slots = SLOTS.get_or_init(|| {
+        let n = std::env::var("TIDEMARK_TEST_CLUSTERS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(5);
+        std::sync::Arc::new(tokio::sync::Semaphore::new(n))
+    });
+    slots.clone().acquire_owned().await.unwrap()
 }
 
 impl Cluster {
     /// Creates the databases and etcd; the caller fills the source before `start`.
     pub async fn new(tag: &str) -> Cluster {
-        Cluster::with_source(tag, TestDb::create(&format!("{tag}_src")).await).await
+        let slot = cluster_slot().await;
+        Cluster::in_slot(tag, TestDb::create(&format!("{tag}_src")).await, slot).await
     }
 
     /// A cluster whose source database is `source` (e.g. on a private server).
     pub async fn with_source(tag: &str, source: TestDb) -> Cluster {
+        Cluster::in_slot(tag, source, cluster_slot().await).await
+    }
+
+    async fn in_slot(tag: &str, source: TestDb, slot: tokio::sync::OwnedSemaphorePermit) -> Cluster {
         Cluster {
+            _slot: slot,
             source,
             target: TestDb::create(&format!("{tag}_dst")).await,
             control: TestDb::create(&format!("{tag}_ctl")).await,
