@@ -393,7 +393,7 @@ impl Config {
     /// Parses config text; `lookup_env` resolves `${NAME}` references.
     pub fn parse(raw: &str, path: &str, lookup_env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let text = interpolate_env(raw, path, lookup_env)?;
-        let config: Config = toml::from_str(&text).map_err(|err| {
+        let mut config: Config = toml::from_str(&text).map_err(|err| {
             let line = err
                 .span()
                 .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1)
@@ -404,8 +404,27 @@ impl Config {
                 message: err.message().replace('\n', " "),
             }
         })?;
+        config.resolve_source_tables(path)?;
         config.validate(path)?;
         Ok(config)
+    }
+
+    /// A MySQL table is `database.table`; a bare `table` is in the source URL's database.
+    fn resolve_source_tables(&mut self, path: &str) -> Result<(), ConfigError> {
+        for task in &mut self.tasks {
+            if !crate::mysql::is_mysql_url(&task.source) || task.source_table.contains('.') {
+                continue;
+            }
+            let database = crate::mysql::url_database(&task.source).ok_or_else(|| ConfigError::Invalid {
+                path: path.to_string(),
+                message: format!(
+                    "task {}: source_table {:?} names no database and the source URL has none: write `database.table`",
+                    task.name, task.source_table
+                ),
+            })?;
+            task.source_table = format!("{database}.{}", task.source_table);
+        }
+        Ok(())
     }
 
     fn validate(&self, path: &str) -> Result<(), ConfigError> {
@@ -463,6 +482,29 @@ impl Config {
                     "task {name}: max_dead_letter_ratio must be above 0 and at most 1, not {}",
                     task.max_dead_letter_ratio
                 )));
+            }
+            crate::source::SourceEngine::of_url(&task.source)
+                .map_err(|e| invalid(format!("task {name}: source: {e}")))?;
+            if crate::mysql::is_mysql_url(&task.target) {
+                return Err(invalid(format!(
+                    "task {name}: a MySQL/MariaDB target is not supported yet; the target must be postgres://"
+                )));
+            }
+            if crate::mysql::is_mysql_url(&task.source) {
+                let unsupported = match (&task.delete_policy, &task.version) {
+                    _ if task.mode == TaskMode::Accumulate => Some("mode accumulate"),
+                    (Some(DeletePolicy::TombstoneTable { .. }), _) => Some("delete_policy tombstone_table"),
+                    (Some(DeletePolicy::Reconcile {}), _) => Some("delete_policy reconcile"),
+                    (_, VersionConfig::Trigger) => Some("version trigger"),
+                    _ if task.reconcile_every.is_some() => Some("reconcile_every"),
+                    _ => None,
+                };
+                if let Some(feature) = unsupported {
+                    return Err(invalid(format!(
+                        "task {name}: {feature} is not supported on a MySQL/MariaDB source yet (supported: upsert \
+                         and append modes, delete_policy soft, version = column)"
+                    )));
+                }
             }
             if task.page_size == 0 {
                 return Err(invalid(format!("task {name}: page_size must be at least 1")));

@@ -70,7 +70,13 @@ pub fn decode_field(raw: &[u8]) -> Result<Option<String>, String> {
 /// Encodes one field for a COPY text stream: backslash, tab, newline and carriage return
 /// escaped (the inverse of [`decode_field`] for text).
 pub fn encode_field(text: &str, out: &mut Vec<u8>) {
-    for byte in text.bytes() {
+    encode_bytes(text.as_bytes(), out);
+}
+
+/// [`encode_field`] for bytes as a source sent them (a NUL byte passes through, and the
+/// target refuses it as a row).
+pub fn encode_bytes(text: &[u8], out: &mut Vec<u8>) {
+    for &byte in text {
         match byte {
             b'\\' => out.extend_from_slice(b"\\\\"),
             b'\t' => out.extend_from_slice(b"\\t"),

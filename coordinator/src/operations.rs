@@ -244,6 +244,13 @@ pub async fn request_split(
     let name = task.config.name.as_str();
     let shard = control.shard_row(name, shard_id).await?;
     let key_type = first_key_type(task)?;
+    if tidemark_common::mysql::is_mysql_url(&task.config.source) {
+        return Err(bad(
+            "shards split on a MySQL/MariaDB source is not supported yet (split points compare in the source's \
+             collation); shards merge and move work"
+                .into(),
+        ));
+    }
     let source = connect_database(name, "source", &task.config.source).await?;
     let first = tidemark_common::pg::quote_ident(&task.config.key[0]);
     let at = match at {

@@ -16,12 +16,14 @@ use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, format_micros, plan_ranges};
 use tidemark_common::duration::format_duration;
 use tidemark_common::id_tail::{IdTail, Sample};
+use tidemark_common::mysql;
 use tidemark_common::pg::deletes::{delete_log_table, truncate_log_table};
 use tidemark_common::pg::{
     self, Column, DeleteSql, TableName, TableSql, VERSION_COLUMN, connect_options, is_transient, quote_ident,
     visibility,
 };
 use tidemark_common::redact::redact_url;
+use tidemark_common::source::{SourceEngine, SourcePool, SourceReads};
 
 use crate::checkpoints::{ControlDb, EpochPlan, EpochRecord};
 use crate::error::CoordinatorError;
@@ -100,6 +102,36 @@ pub(crate) async fn introspect(
             })
             .collect(),
     ))
+}
+
+/// A source table's columns whatever the engine (a MySQL column as the PostgreSQL type it
+/// maps to; one that maps to none shows as `unmapped <type>`, which changes the schema id).
+pub(crate) async fn introspect_source(
+    source: &SourcePool,
+    task: &str,
+    table: &TableName,
+) -> Result<Option<Vec<SourceColumn>>, CoordinatorError> {
+    let pool = match source {
+        SourcePool::Postgres(pool) => return introspect(pool, task, "source", table).await,
+        SourcePool::MySql(pool) => pool,
+    };
+    let columns = mysql::types::columns(pool, &table.schema, &table.name)
+        .await
+        .map_err(CoordinatorError::Source)?;
+    Ok(columns.map(|columns| {
+        columns
+            .into_iter()
+            .map(|c| SourceColumn {
+                column: Column {
+                    sql_type: c
+                        .target_type()
+                        .unwrap_or_else(|_| format!("unmapped {}", c.column_type)),
+                    name: c.name,
+                },
+                not_null: c.not_null,
+            })
+            .collect()
+    }))
 }
 
 /// Whether a unique, non-partial index (or the primary key) covers exactly `key`.
@@ -306,7 +338,9 @@ async fn require_privileges(pool: &PgPool, task: &str, needed: &[(TableName, &st
 
 /// The source table as a task sees it: columns, version column and schema id.
 struct SourceInfo {
-    pool: PgPool,
+    pool: SourcePool,
+    /// A MySQL source's columns as it types them (empty for PostgreSQL).
+    mysql_columns: Vec<mysql::SourceColumn>,
     table: TableName,
     columns: Vec<SourceColumn>,
     version_column: Option<String>,
@@ -318,6 +352,9 @@ struct SourceInfo {
 async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
+    if SourceEngine::of_url(&config.source).map_err(&setup)? == SourceEngine::MySql {
+        return inspect_mysql_source(config).await;
+    }
     let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
     let pool = connect_database(task, "source", &config.source).await?;
     let columns = introspect(&pool, task, "source", &table)
@@ -374,7 +411,75 @@ async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorEr
         .map(|c| c.column.sql_type.clone())
         .expect("validated");
     Ok(SourceInfo {
+        pool: SourcePool::Postgres(pool),
+        mysql_columns: Vec::new(),
+        table,
+        columns,
+        version_column,
+        schema_id,
+        first_key_type,
+    })
+}
+
+/// [`inspect_source`] for a MySQL/MariaDB source: every column must map to a PostgreSQL
+/// type, the key must be unique, and the bound must see every writer.
+async fn inspect_mysql_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let pool = mysql::pool(&config.source, 2).map_err(|e| setup(format!("source URL: {e}")))?;
+    let reading = |e: sqlx::Error| setup(format!("source {} table {table}: {e}", redact_url(&config.source)));
+    let found = mysql::types::columns(&pool, &table.schema, &table.name)
+        .await
+        .map_err(reading)?
+        .ok_or_else(|| {
+            setup(format!(
+                "source table {table} does not exist, or the source role has no privilege on it: GRANT SELECT ON {}.{} TO …",
+                mysql::quote_ident(&table.schema),
+                mysql::quote_ident(&table.name)
+            ))
+        })?;
+    let mut columns = Vec::new();
+    for column in &found {
+        columns.push(SourceColumn {
+            column: Column {
+                name: column.name.clone(),
+                sql_type: column
+                    .target_type()
+                    .map_err(|e| setup(format!("source table {table}: {e}")))?,
+            },
+            not_null: column.not_null,
+        });
+    }
+    let version_column = validate_columns(config, &table, &columns)?;
+    if !mysql::inspect::key_is_unique(&pool, &table, &config.key)
+        .await
+        .map_err(reading)?
+    {
+        return Err(setup(format!(
+            "key ({}) of {table} is not unique: no unique index or primary key covers exactly these columns",
+            config.key.join(", ")
+        )));
+    }
+    let pool = SourcePool::MySql(pool);
+    if config.open_transaction_bound {
+        let (seen, _) = pool
+            .visibility(&table)
+            .await
+            .map_err(|e| setup(format!("reading what the open-transaction bound can see: {e}")))?;
+        if let Some(reason) = seen.blind_spot(&table) {
+            return Err(setup(reason));
+        }
+    }
+    let schema_id = schema_id(&columns, &required_columns(config), "schema2-");
+    let first_key_type = columns
+        .iter()
+        .find(|c| c.column.name == config.key[0])
+        .map(|c| c.column.sql_type.clone())
+        .expect("validated");
+    Ok(SourceInfo {
         pool,
+        mysql_columns: found,
         table,
         columns,
         version_column,
@@ -748,13 +853,26 @@ async fn fence_target_epoch(
 /// The source's clock now (microseconds since the Unix epoch): windows over cursor times,
 /// which the source writes, are measured by it, not by the coordinator's clock.
 pub async fn source_now_micros(config: &TaskConfig) -> Result<i64, CoordinatorError> {
-    let source = connect_database(&config.name, "source", &config.source).await?;
-    let now = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
-        .fetch_one(&source)
+    let source = connect_source(config).await?;
+    let now = source
+        .now_micros()
         .await
         .map_err(|e| CoordinatorError::task_setup(&config.name, format!("reading the source clock: {e}")));
     source.close().await;
     now
+}
+
+/// Connects to a task's source, whatever its engine.
+pub async fn connect_source(config: &TaskConfig) -> Result<SourcePool, CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+    match SourceEngine::of_url(&config.source).map_err(&setup)? {
+        SourceEngine::Postgres => Ok(SourcePool::Postgres(
+            connect_database(&config.name, "source", &config.source).await?,
+        )),
+        SourceEngine::MySql => Ok(SourcePool::MySql(
+            mysql::pool(&config.source, 2).map_err(|e| setup(format!("source URL: {e}")))?,
+        )),
+    }
 }
 
 /// How long planning waits for prepared transactions to end before it refuses.
@@ -765,7 +883,7 @@ const PREPARED_WAIT: Duration = Duration::from_secs(30);
 /// A prepared transaction has no known start, so no H0 covers it: planning waits for it to
 /// end (up to [`PREPARED_WAIT`]), then refuses and names it.
 async fn start_time_micros(
-    source: &PgPool,
+    source: &SourcePool,
     config: &TaskConfig,
     table: &TableName,
     cursor_unit_micros: i64,
@@ -774,14 +892,11 @@ async fn start_time_micros(
     let reading = |e: sqlx::Error| setup(format!("reading the start bound from {table}: {e}"));
     let deadline = std::time::Instant::now() + PREPARED_WAIT;
     loop {
-        let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
-            .fetch_one(source)
-            .await
-            .map_err(reading)?;
+        let now: i64 = source.now_micros().await.map_err(reading)?;
         if !config.open_transaction_bound {
             return Ok(now);
         }
-        let (seen, prepared) = visibility::read(source, table).await.map_err(reading)?;
+        let (seen, prepared) = source.visibility(table).await.map_err(reading)?;
         if let Some(reason) = seen.blind_spot(table) {
             return Err(setup(reason));
         }
@@ -813,11 +928,66 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
         .as_ref()
         .and_then(|name| columns.iter().find(|c| &c.name == name))
         .map_or("timestamp with time zone", |c| c.sql_type.as_str());
-    let cursor_zone = match &config.cursor_column {
-        Some(cursor) if pg::is_naive_timestamp(cursor_type) => Some(naive_cursor_zone(source, config, cursor).await?),
+    let cursor_zone = match (&config.cursor_column, source) {
+        (Some(cursor), SourcePool::Postgres(pool)) if pg::is_naive_timestamp(cursor_type) => {
+            Some(naive_cursor_zone(pool, config, cursor).await?)
+        }
+        (Some(cursor), SourcePool::MySql(pool)) if pg::is_naive_timestamp(cursor_type) => {
+            Some(mysql_cursor_zone(pool, config, cursor).await?)
+        }
         _ => None,
     };
     let h0_time_micros = start_time_micros(source, config, table, pg::timestamp_unit_micros(cursor_type)).await?;
+    let (domain, h0_max_key) = match source {
+        SourcePool::Postgres(pool) => pg_key_domain(pool, source_info, config).await?,
+        SourcePool::MySql(pool) => mysql_key_domain(pool, source_info, config).await?,
+    };
+    let estimated_rows: Option<i64> = match source {
+        SourcePool::Postgres(pool) => {
+            sqlx::query_scalar("SELECT reltuples::bigint FROM pg_class WHERE oid = $1::regclass")
+                .bind(table.quoted())
+                .fetch_optional(pool)
+                .await
+                .map_err(reading)?
+        }
+        SourcePool::MySql(pool) => mysql::inspect::estimated_rows(pool, table).await.map_err(reading)?,
+    }
+    .filter(|n: &i64| *n >= 0);
+    let _ = first_key_type;
+    let columns_json = serde_json::to_value(
+        columns
+            .iter()
+            .map(|c| (c.name.clone(), c.sql_type.clone()))
+            .collect::<Vec<_>>(),
+    )
+    .expect("columns serialize");
+    Ok(EpochPlan {
+        task: config.name.clone(),
+        epoch,
+        schema_id: schema_id.to_string(),
+        columns: columns_json,
+        h0_time_micros,
+        h0_max_key: h0_max_key.map(|k| serde_json::to_value(k).expect("key serializes")),
+        // The first cycle re-reads [H0 − overlap, high): rows written during a long snapshot
+        // converge (convergent, not log-exact).
+        incremental_start: Cursor::incremental_at(epoch, h0_time_micros),
+        ranges: plan_ranges(&domain, config.shards).iter().map(|r| r.encode()).collect(),
+        estimated_rows,
+        cursor_zone,
+    })
+}
+
+/// The first key's domain (how shards split it) and H0's largest key, on PostgreSQL.
+async fn pg_key_domain(
+    pool: &PgPool,
+    source_info: &SourceInfo,
+    config: &TaskConfig,
+) -> Result<(KeyDomain, Option<KeyValue>), CoordinatorError> {
+    let table = &source_info.table;
+    let first_key_type = source_info.first_key_type.as_str();
+    let reading = |e: sqlx::Error| {
+        CoordinatorError::task_setup(&config.name, format!("reading the start bound from {table}: {e}"))
+    };
     let first_key = quote_ident(&config.key[0]);
     let (domain, h0_max_key) = if first_key_type == "uuid" {
         // uuid keys split by prefix and need no bounds (and PostgreSQL has no min(uuid)).
@@ -828,7 +998,7 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
             table.quoted()
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(query))
-            .fetch_one(source)
+            .fetch_one(pool)
             .await
             .map_err(reading)?;
         let parse = |text: Option<String>| text.and_then(|t| t.parse::<i64>().ok());
@@ -837,7 +1007,7 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
         if config.mode.appends() && config.open_transaction_bound {
             // Keys are read once, in order: the snapshot stops below any key a transaction
             // still open may add (see `id_tail`).
-            max = settled_max_key(source, config, table).await?;
+            max = settled_max_key(&source_info.pool, &SourceReads::Postgres, config, table).await?;
         }
         let domain = KeyDomain::Integer {
             sql_type: first_key_type.to_string(),
@@ -865,7 +1035,7 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
             table.quoted()
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(query))
-            .fetch_one(source)
+            .fetch_one(pool)
             .await
             .map_err(reading)?;
         let boundaries: Option<Vec<String>> = row.get(0);
@@ -887,41 +1057,100 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
             h0_max,
         )
     };
-    let estimated_rows: Option<i64> =
-        sqlx::query_scalar("SELECT reltuples::bigint FROM pg_class WHERE oid = $1::regclass")
-            .bind(table.quoted())
-            .fetch_optional(source)
+    Ok((domain, h0_max_key))
+}
+
+/// [`pg_key_domain`] on MySQL/MariaDB: integer keys split by range, others at quantiles
+/// the server computes in the key's own collation.
+async fn mysql_key_domain(
+    pool: &sqlx::MySqlPool,
+    source_info: &SourceInfo,
+    config: &TaskConfig,
+) -> Result<(KeyDomain, Option<KeyValue>), CoordinatorError> {
+    let table = &source_info.table;
+    let first_key_type = source_info.first_key_type.as_str();
+    let reading = |e: sqlx::Error| {
+        CoordinatorError::task_setup(&config.name, format!("reading the start bound from {table}: {e}"))
+    };
+    let key = source_info
+        .mysql_columns
+        .iter()
+        .find(|c| c.name == config.key[0])
+        .expect("validated");
+    if is_integer_type(first_key_type) {
+        let (min, max) = mysql::inspect::integer_extremes(pool, table, &key.name)
             .await
-            .map_err(reading)?
-            .filter(|n: &i64| *n >= 0);
-    let columns_json = serde_json::to_value(
-        columns
-            .iter()
-            .map(|c| (c.name.clone(), c.sql_type.clone()))
-            .collect::<Vec<_>>(),
-    )
-    .expect("columns serialize");
-    Ok(EpochPlan {
-        task: config.name.clone(),
-        epoch,
-        schema_id: schema_id.to_string(),
-        columns: columns_json,
-        h0_time_micros,
-        h0_max_key: h0_max_key.map(|k| serde_json::to_value(k).expect("key serializes")),
-        // The first cycle re-reads [H0 − overlap, high): rows written during a long snapshot
-        // converge (convergent, not log-exact).
-        incremental_start: Cursor::incremental_at(epoch, h0_time_micros),
-        ranges: plan_ranges(&domain, config.shards).iter().map(|r| r.encode()).collect(),
-        estimated_rows,
-        cursor_zone,
-    })
+            .map_err(reading)?;
+        let parse = |text: Option<String>| text.and_then(|t| t.parse::<i64>().ok());
+        let min = parse(min);
+        let mut max = parse(max);
+        if config.mode.appends() && config.open_transaction_bound {
+            let reads = SourceReads::MySql(mysql::MySqlStatements {
+                table: table.clone(),
+                columns: source_info.mysql_columns.clone(),
+            });
+            max = settled_max_key(&source_info.pool, &reads, config, table).await?;
+        }
+        let domain = KeyDomain::Integer {
+            sql_type: first_key_type.to_string(),
+            min: min.unwrap_or(0),
+            max: max.unwrap_or(0),
+        };
+        let h0_max = KeyValue {
+            sql_type: first_key_type.to_string(),
+            value: max.map_or_else(|| integer_minimum(first_key_type).to_string(), |m| m.to_string()),
+        };
+        return Ok((domain, Some(h0_max)));
+    }
+    let (boundaries, max) = mysql::inspect::quantiles(pool, table, key, config.shards)
+        .await
+        .map_err(reading)?;
+    let h0_max = max.map(|value| KeyValue {
+        sql_type: first_key_type.to_string(),
+        value,
+    });
+    Ok((
+        KeyDomain::Sampled {
+            sql_type: first_key_type.to_string(),
+            boundaries,
+        },
+        h0_max,
+    ))
+}
+
+/// The zone a MySQL `DATETIME` cursor is read in (see `mysql::inspect::cursor_zone`), with
+/// the same daylight-saving rule as PostgreSQL's naive cursors.
+async fn mysql_cursor_zone(
+    pool: &sqlx::MySqlPool,
+    config: &TaskConfig,
+    cursor: &str,
+) -> Result<String, CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+    let zone = mysql::inspect::cursor_zone(pool, config.cursor_time_zone.as_deref())
+        .await
+        .map_err(setup)?;
+    if zone.shift_seconds > 0 && (config.overlap.as_secs() as i64) < zone.shift_seconds {
+        return Err(setup(format!(
+            "cursor_column {cursor:?} is DATETIME written in {} ({}), whose clocks go back {} when daylight saving \
+             time ends: rows written in the repeated hour would fall below the watermark. Use a TIMESTAMP column, \
+             or set overlap to at least {}",
+            zone.name,
+            zone.learned_from,
+            format_duration(Duration::from_secs(zone.shift_seconds as u64)),
+            format_duration(Duration::from_secs(zone.shift_seconds as u64)),
+        )));
+    }
+    tracing::info!(task = %config.name, cursor, zone = %zone.name, from = %zone.learned_from,
+        "DATETIME cursor values are read as local times of this zone");
+    Ok(zone.name)
 }
 
 /// The largest key of an append-only table that no open transaction can still add a key
 /// below (see `tidemark_common::id_tail`). Waits for older transactions to end (up to
 /// [`PREPARED_WAIT`]), then refuses and says why.
 async fn settled_max_key(
-    source: &PgPool,
+    source: &SourcePool,
+    reads: &SourceReads,
     config: &TaskConfig,
     table: &TableName,
 ) -> Result<Option<i64>, CoordinatorError> {
@@ -942,12 +1171,9 @@ async fn settled_max_key(
     let mut tail = IdTail::default();
     let deadline = std::time::Instant::now() + PREPARED_WAIT;
     loop {
-        let (max_key, at_micros): (Option<i64>, i64) = sqlx::query_as(sqlx::AssertSqlSafe(sql.key_sample()))
-            .fetch_one(source)
-            .await
-            .map_err(reading)?;
+        let (max_key, at_micros) = source.key_sample(reads, &sql).await.map_err(reading)?;
         tail.record(Sample { at_micros, max_key });
-        let (seen, prepared) = visibility::read(source, table).await.map_err(reading)?;
+        let (seen, prepared) = source.visibility(table).await.map_err(reading)?;
         if let Some(reason) = seen.blind_spot(table) {
             return Err(setup(reason));
         }

@@ -17,18 +17,25 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::config::DeletePolicy;
 use tidemark_common::cursor::format_micros;
 use tidemark_common::duration::format_duration;
-use tidemark_common::pg::{self, TableName, TableSql, connect_options, deletes, quote_ident, visibility};
+use tidemark_common::pg::{self, TableName, TableSql, connect_options, deletes, visibility};
 
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
 use crate::planner::{self, PreparedTask};
 use crate::source_install::purge_function;
+use tidemark_common::source::{SourceEngine, SourcePool, SourceReads};
 
 pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Leadership) {
     let name = task.config.name.clone();
-    let pool = match connect_options(&task.config.source, "tidemark-coordinator") {
-        Ok(options) => PgPoolOptions::new().max_connections(1).connect_lazy_with(options),
+    let pool = match SourceEngine::of_url(&task.config.source) {
+        Ok(SourceEngine::Postgres) => connect_options(&task.config.source, "tidemark-coordinator")
+            .map(|options| SourcePool::Postgres(PgPoolOptions::new().max_connections(1).connect_lazy_with(options))),
+        Ok(SourceEngine::MySql) => tidemark_common::mysql::pool(&task.config.source, 1).map(SourcePool::MySql),
+        Err(error) => Err(error),
+    };
+    let pool = match pool {
+        Ok(pool) => pool,
         Err(error) => {
             tracing::error!(task = %name, %error, "source watcher cannot start");
             return;
@@ -50,7 +57,11 @@ pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Le
         // A check that keeps failing the same way (a missing grant, a dropped log) leaves the
         // task unwatched: no retention, TRUNCATE, visibility or cursor check runs. Never in
         // silence: pause it with the error.
-        let persistent = matches!(&error, CoordinatorError::Source(e) if !pg::is_transient(e));
+        let persistent = match (&error, &pool) {
+            (CoordinatorError::Source(e), SourcePool::Postgres(_)) => !pg::is_transient(e),
+            (CoordinatorError::Source(e), SourcePool::MySql(_)) => !tidemark_common::mysql::is_transient(e),
+            _ => false,
+        };
         failing = if persistent { failing + 1 } else { 0 };
         if failing == MAX_FAILED_CHECKS {
             let reason = format!(
@@ -77,15 +88,15 @@ struct Seen {
 async fn check(
     control: &ControlDb,
     task: &PreparedTask,
-    source: &PgPool,
+    pool: &SourcePool,
     seen: &mut Seen,
 ) -> Result<(), CoordinatorError> {
     let name = task.config.name.as_str();
-    let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
-        .fetch_one(source)
-        .await
-        .map_err(CoordinatorError::Source)?;
-    if let Some(DeletePolicy::TombstoneTable { retention }) = &task.config.delete_policy {
+    let now: i64 = pool.now_micros().await.map_err(CoordinatorError::Source)?;
+    // The delete log and cursor-value probes are PostgreSQL's (the config refuses a delete
+    // log on other sources; MySQL has no infinite times).
+    let postgres = pool.postgres();
+    if let (Some(DeletePolicy::TombstoneTable { retention }), Some(source)) = (&task.config.delete_policy, postgres) {
         enforce_retention(control, task, source, now, *retention).await?;
         check_truncation(control, task, source).await?;
     }
@@ -94,7 +105,7 @@ async fn check(
     }
     // Test hook: without the watcher's check, only the workers' refusal guards the target.
     let watch_schema = std::env::var_os("TIDEMARK_TEST_NO_SCHEMA_WATCH").is_none();
-    if watch_schema && let Some(reason) = schema_change(control, task, source).await? {
+    if watch_schema && let Some(reason) = schema_change(control, task, pool).await? {
         if control.pause_task(name, &reason).await? {
             tracing::error!(task = name, %reason, "pausing task");
         }
@@ -102,9 +113,7 @@ async fn check(
     }
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
     if task.config.open_transaction_bound {
-        let (seen, prepared) = visibility::read(source, &table)
-            .await
-            .map_err(CoordinatorError::Source)?;
+        let (seen, prepared) = pool.visibility(&table).await.map_err(CoordinatorError::Source)?;
         if let Some(reason) = seen.blind_spot(&table) {
             pause(
                 control,
@@ -131,6 +140,7 @@ async fn check(
     }
     let tolerance = task.config.clock_tolerance().as_micros() as i64;
     if task.config.cursor_column.is_some()
+        && let Some(source) = postgres
         && let Some(reason) = impossible_cursor_values(control, task, source, now, seen).await?
     {
         pause(control, name, &reason).await?;
@@ -153,9 +163,15 @@ async fn check(
     }
     if task.config.mode.appends() {
         let key = &task.config.key[0];
-        let query = format!("SELECT max({})::bigint FROM {}", quote_ident(key), table.quoted());
-        let source_max: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(query))
-            .fetch_one(source)
+        let reads = match pool {
+            SourcePool::Postgres(_) => SourceReads::Postgres,
+            SourcePool::MySql(_) => SourceReads::MySql(tidemark_common::mysql::MySqlStatements {
+                table: table.clone(),
+                columns: Vec::new(),
+            }),
+        };
+        let (source_max, _) = pool
+            .key_sample(&reads, &planner::table_sql(task)?)
             .await
             .map_err(CoordinatorError::Source)?;
         let committed_max = control
@@ -374,14 +390,14 @@ async fn pause(control: &ControlDb, task: &str, reason: &str) -> Result<(), Coor
 async fn schema_change(
     control: &ControlDb,
     task: &PreparedTask,
-    source: &PgPool,
+    source: &SourcePool,
 ) -> Result<Option<String>, CoordinatorError> {
     let name = task.config.name.as_str();
     let Some(epoch) = control.current_epoch(name).await? else {
         return Ok(None);
     };
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
-    let now = match planner::introspect(source, name, "source", &table).await? {
+    let now = match planner::introspect_source(source, name, &table).await? {
         Some(columns) => planner::schema_id(&columns, &planner::required_columns(&task.config), &epoch.schema_id),
         None => "no table".to_string(),
     };

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod faults;
+pub mod mariadb;
 pub mod otlp;
 pub mod s3;
 

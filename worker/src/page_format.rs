@@ -13,6 +13,7 @@ use sqlx::postgres::{PgExecutor, PgPool};
 use tidemark_common::copy_binary;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::pg::{self, TableName, TableSql};
+use tidemark_common::source::SourcePool;
 
 use crate::apply::TaskWrite;
 use crate::error::WorkerError;
@@ -37,7 +38,11 @@ async fn column_types(conn: impl PgExecutor<'_>, table: &TableName) -> Result<Co
 
 /// The format this shard's pages are read in. Text when the column types cannot be read
 /// (a database is unreachable): always correct, and the next run chooses again.
-pub async fn choose(sql: &TableSql, write: &TaskWrite, source: &PgPool, target: &PgPool) -> CopyFormat {
+pub async fn choose(sql: &TableSql, write: &TaskWrite, source: &SourcePool, target: &PgPool) -> CopyFormat {
+    let Some(source) = source.postgres() else {
+        tracing::info!(table = %sql.source, "a MySQL source renders its pages as COPY text");
+        return CopyFormat::Text;
+    };
     match choose_checked(sql, write, source, target).await {
         Ok(format) => format,
         Err(error) => {

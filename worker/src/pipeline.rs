@@ -18,6 +18,7 @@ use tidemark_common::id_tail::{IdTail, Sample};
 use tidemark_common::pg::deletes::LogUpper;
 use tidemark_common::pg::visibility;
 use tidemark_common::pg::{Column, DeleteSource, DeleteSql, TableName, TableSql};
+use tidemark_common::source::{SourcePool, SourceReads};
 use tidemark_proto::v1 as pb;
 use tokio::sync::watch;
 use tracing::Instrument;
@@ -43,6 +44,8 @@ pub struct ShardRun {
     pub snapshot_max_key: Option<KeyValue>,
     pub incremental_start: Cursor,
     pub sql: TableSql,
+    /// The statements the source table is read with, in its engine's dialect.
+    pub reads: SourceReads,
     /// How rows reach the target (the upsert, or an accumulate task's transform).
     pub write: TaskWrite,
     pub resources: TaskResources,
@@ -209,6 +212,7 @@ impl ShardRun {
             snapshot_max_key,
             incremental_start,
             sql,
+            reads: SourceReads::Postgres,
             write,
             resources,
             task,
@@ -220,6 +224,36 @@ impl ShardRun {
         })
     }
 
+    /// The statements this run reads the source with. A MySQL source's columns are read again
+    /// and must still map to the epoch's types (else the schema changed).
+    async fn source_reads(&self) -> Result<SourceReads, WorkerError> {
+        let SourcePool::MySql(pool) = &self.resources.source else {
+            return Ok(SourceReads::Postgres);
+        };
+        let table = &self.sql.source;
+        let found = tidemark_common::mysql::types::columns(pool, &table.schema, &table.name)
+            .await?
+            .ok_or_else(|| WorkerError::SchemaChanged(format!("source table {table} does not exist")))?;
+        let mut columns = Vec::new();
+        for epoch_column in &self.sql.columns {
+            let column = found.iter().find(|c| c.name == epoch_column.name).ok_or_else(|| {
+                WorkerError::SchemaChanged(format!("column {:?} of {table} is gone", epoch_column.name))
+            })?;
+            let mapped = column.target_type().map_err(WorkerError::SchemaChanged)?;
+            if mapped != epoch_column.sql_type {
+                return Err(WorkerError::SchemaChanged(format!(
+                    "column {:?} of {table} is {} ({mapped}) where the epoch's is {}",
+                    column.name, column.column_type, epoch_column.sql_type
+                )));
+            }
+            columns.push(column.clone());
+        }
+        Ok(SourceReads::MySql(tidemark_common::mysql::MySqlStatements {
+            table: table.clone(),
+            columns,
+        }))
+    }
+
     /// Runs until the shard is lost, an error ends it, or `stop` turns true (then it returns
     /// Ok after the batch in flight is committed).
     pub async fn run(
@@ -228,6 +262,7 @@ impl ShardRun {
         pending: Option<pb::PendingBatch>,
         mut stop: watch::Receiver<bool>,
     ) -> Result<(), WorkerError> {
+        self.reads = self.source_reads().await?;
         self.sql.page_format =
             crate::page_format::choose(&self.sql, &self.write, &self.resources.source, &self.resources.target).await;
         if let Some(pending) = pending {
@@ -403,10 +438,7 @@ impl ShardRun {
     /// open-transaction bound, the largest key (a transaction holding a lower one that commits
     /// later is missed, as the contract then says).
     async fn append_read_bound(&mut self) -> Result<Option<KeyValue>, WorkerError> {
-        let source = &self.resources.source;
-        let (max_key, at_micros): (Option<i64>, i64) = sqlx::query_as(sqlx::AssertSqlSafe(self.sql.key_sample()))
-            .fetch_one(source)
-            .await?;
+        let (max_key, at_micros) = self.resources.source.key_sample(&self.reads, &self.sql).await?;
         self.id_tail.record(Sample { at_micros, max_key });
         let bound = if self.task.open_transaction_bound {
             let Some(visibility) = self.visible_writers().await? else {
@@ -428,7 +460,7 @@ impl ShardRun {
     /// pauses the task and names the fix), or a prepared transaction, whose start is unknown,
     /// is open. Logs when the reason changes.
     async fn visible_writers(&mut self) -> Result<Option<visibility::Visibility>, WorkerError> {
-        let (visibility, prepared) = visibility::read(&self.resources.source, &self.sql.source).await?;
+        let (visibility, prepared) = self.resources.source.visibility(&self.sql.source).await?;
         let hold = visibility
             .blind_spot(&self.sql.source)
             .or_else(|| prepared.as_ref().map(visibility::prepared_hold));
@@ -464,7 +496,8 @@ impl ShardRun {
         let epoch = self.epoch;
         match &cursor.position {
             Position::Snapshot { after_key } => ReadPlan {
-                statement: self.sql.snapshot_page(
+                statement: self.reads.snapshot_page(
+                    &self.sql,
                     &self.range,
                     after_key.as_deref(),
                     self.snapshot_max_key.as_ref(),
@@ -487,7 +520,8 @@ impl ShardRun {
             },
             Position::Append { after_key } => ReadPlan {
                 // Up to the bound no open transaction can still add a key below.
-                statement: self.sql.snapshot_page(
+                statement: self.reads.snapshot_page(
+                    &self.sql,
                     &self.range,
                     after_key.as_deref(),
                     self.append_bound.as_ref(),
@@ -515,9 +549,15 @@ impl ShardRun {
                     ),
                 };
                 ReadPlan {
-                    statement: self
-                        .sql
-                        .incremental_page(&self.range, scan_t, scan_key.as_deref(), high, page_size),
+                    statement: self.reads.incremental_page(
+                        &self.sql,
+                        &self.range,
+                        scan_t,
+                        scan_key.as_deref(),
+                        high,
+                        None,
+                        page_size,
+                    ),
                     // A short page ends the cycle: everything below `high` has been read.
                     on_short: Cursor::incremental_at(epoch, high),
                     cycle: Some((floor, high)),
@@ -588,6 +628,7 @@ impl ShardRun {
     fn reader(&self) -> Reader {
         Reader {
             source: self.resources.source.clone(),
+            reads: self.reads.clone(),
             sql: self.sql.clone(),
             range: self.range.clone(),
             page_size: self.task.page_size,
@@ -597,7 +638,8 @@ impl ShardRun {
 
 /// What reading a page needs, owned, so that a read can run beside the shard's apply.
 struct Reader {
-    source: sqlx::PgPool,
+    source: SourcePool,
+    reads: SourceReads,
     sql: TableSql,
     range: ShardRange,
     page_size: u32,
@@ -642,7 +684,8 @@ impl Reader {
         let Some((log_key, Some(log_t))) = deletes.last.clone() else {
             return Err(WorkerError::Data("a full delete-log page without a position".into()));
         };
-        let statement = self.sql.incremental_page_upto(
+        let statement = self.reads.incremental_page(
+            &self.sql,
             &self.range,
             scan.t_micros,
             scan.after_key.as_deref(),

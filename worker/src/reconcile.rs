@@ -164,17 +164,22 @@ impl ShardRun {
         Ok(outcome)
     }
 
-    fn side_pool(&self, side: Side) -> &PgPool {
+    fn side_pool(&self, side: Side) -> Result<&PgPool, WorkerError> {
         match side {
-            Side::Source => &self.resources.source,
-            Side::Target => &self.resources.target,
+            // The planner refuses reconciliation on other sources (no shared bucket hash yet).
+            Side::Source => self
+                .resources
+                .source
+                .postgres()
+                .ok_or_else(|| WorkerError::Assignment("reconciliation reads a PostgreSQL source only".into())),
+            Side::Target => Ok(&self.resources.target),
         }
     }
 
     async fn sums(&self, side: Side, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<Sums, WorkerError> {
         let statement = self.sql.checksum_buckets(side, scope, thresholds);
         let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
-            .fetch_all(self.side_pool(side))
+            .fetch_all(self.side_pool(side)?)
             .await?;
         Ok(rows
             .into_iter()
@@ -196,7 +201,7 @@ impl ShardRun {
             let mut hi = i64::MIN;
             for side in [Side::Source, Side::Target] {
                 let row = sqlx::query(sqlx::AssertSqlSafe(self.sql.key_bounds(side, scope)))
-                    .fetch_one(self.side_pool(side))
+                    .fetch_one(self.side_pool(side)?)
                     .await?;
                 let parse = |i: usize| row.get::<Option<String>, _>(i).and_then(|t| t.parse::<i64>().ok());
                 if let (Some(min), Some(max)) = (parse(0), parse(1)) {
@@ -217,7 +222,7 @@ impl ShardRun {
             let side = if source_is_larger { Side::Source } else { Side::Target };
             let quantiles: Option<Vec<String>> =
                 sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql.key_quantiles(side, scope, SPLIT)))
-                    .fetch_one(self.side_pool(side))
+                    .fetch_one(self.side_pool(side)?)
                     .await?;
             for q in quantiles.unwrap_or_default() {
                 if points.last() != Some(&q) && scope.range.lo.as_ref().is_none_or(|lo| lo.value != q) {
@@ -238,8 +243,9 @@ impl ShardRun {
     ) -> Result<(), WorkerError> {
         let read = |side: Side| {
             let statement = self.sql.key_versions(side, scope);
-            let pool = self.side_pool(side).clone();
+            let pool = self.side_pool(side).cloned();
             async move {
+                let pool = pool?;
                 let rows = sqlx::query(sqlx::AssertSqlSafe(statement)).fetch_all(&pool).await?;
                 Ok::<HashMap<Vec<String>, (i64, i64)>, WorkerError>(
                     rows.into_iter()

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::pg::connect_options;
+use tidemark_common::source::{SourceEngine, SourcePool};
 use tidemark_common::staging::Staging;
 use tidemark_proto::v1 as pb;
 use tokio::sync::Mutex;
@@ -14,7 +15,7 @@ use crate::error::WorkerError;
 
 #[derive(Clone)]
 pub struct TaskResources {
-    pub source: PgPool,
+    pub source: SourcePool,
     pub target: PgPool,
     pub staging: Staging,
 }
@@ -48,7 +49,12 @@ impl ResourceCache {
                 .connect_lazy_with(options))
         };
         let resources = TaskResources {
-            source: pool(&spec.source_url)?,
+            source: match SourceEngine::of_url(&spec.source_url).map_err(WorkerError::Assignment)? {
+                SourceEngine::Postgres => SourcePool::Postgres(pool(&spec.source_url)?),
+                SourceEngine::MySql => SourcePool::MySql(
+                    tidemark_common::mysql::pool(&spec.source_url, max_shards + 1).map_err(WorkerError::Assignment)?,
+                ),
+            },
             target: pool(&spec.target_url)?,
             staging: Staging::open(&spec.staging_url)?,
         };

@@ -3,10 +3,10 @@
 
 use bytes::{Bytes, BytesMut};
 use futures::TryStreamExt;
-use sqlx::postgres::PgPool;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::KeyValue;
-use tidemark_common::pg::{self, TableSql};
+use tidemark_common::pg::TableSql;
+use tidemark_common::source::SourcePool;
 
 use crate::error::WorkerError;
 
@@ -41,21 +41,27 @@ impl Page {
 
 /// Reads one page. `target_layout`: the rows carry only the target's columns (no cursor time).
 pub async fn read_page(
-    source: &PgPool,
+    source: &SourcePool,
     sql: &TableSql,
     statement: &str,
     format: CopyFormat,
     target_layout: bool,
 ) -> Result<Page, WorkerError> {
-    let mut conn = source.acquire().await?;
-    let mut stream = conn.copy_out_raw(statement).await?;
-    let mut buffer = BytesMut::new();
-    while let Some(chunk) = stream.try_next().await? {
-        buffer.extend_from_slice(&chunk);
-    }
-    drop(stream);
-    crate::page_format::check_source(&mut *conn, sql, format).await?;
-    let data = buffer.freeze();
+    let data = match source {
+        SourcePool::Postgres(pool) => {
+            let mut conn = pool.acquire().await?;
+            let mut stream = conn.copy_out_raw(statement).await?;
+            let mut buffer = BytesMut::new();
+            while let Some(chunk) = stream.try_next().await? {
+                buffer.extend_from_slice(&chunk);
+            }
+            drop(stream);
+            crate::page_format::check_source(&mut *conn, sql, format).await?;
+            buffer.freeze()
+        }
+        // The statement renders every field as COPY text of the mapped type.
+        SourcePool::MySql(pool) => Bytes::from(tidemark_common::mysql::read::copy_text(pool, statement).await?.0),
+    };
     let rows = format.rows(&data).map_err(WorkerError::Data)?;
     let last = match rows.last() {
         None => None,
@@ -102,8 +108,6 @@ fn decode_position(
 }
 
 /// The source's clock, in microseconds since the Unix epoch.
-pub async fn source_now_micros(source: &PgPool) -> Result<i64, WorkerError> {
-    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(pg::source_now_query()))
-        .fetch_one(source)
-        .await?)
+pub async fn source_now_micros(source: &SourcePool) -> Result<i64, WorkerError> {
+    Ok(source.now_micros().await?)
 }

@@ -20,6 +20,8 @@ use super::TableName;
 /// and on every watcher round (coordinator).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Visibility {
+    /// Whose view it is (the fixes are named in that engine's terms).
+    pub engine: Engine,
     /// The source role (`current_user`).
     pub role: String,
     /// Superuser, or holds the privileges of `pg_read_all_stats` (e.g. through `pg_monitor`).
@@ -29,6 +31,13 @@ pub struct Visibility {
     pub subscriptions: Vec<String>,
     /// Start of the oldest open transaction of another session (microseconds).
     pub oldest_start_micros: Option<i64>,
+}
+
+/// The engine a [`Visibility`] was read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    Postgres,
+    MySql,
 }
 
 /// `$1`: the quoted source table. Read before [`PREPARED_TRANSACTIONS`]: a transaction that
@@ -56,7 +65,16 @@ impl Visibility {
     /// the fix; `None` when it sees them all.
     pub fn blind_spot(&self, table: &TableName) -> Option<String> {
         let role = &self.role;
-        let problem = if !self.sees_all_sessions {
+        let problem = if !self.sees_all_sessions && self.engine == Engine::MySql {
+            format!(
+                "the source role {role} cannot read information_schema.innodb_trx, so rows other sessions commit \
+                 late could fall below the watermark unseen: GRANT PROCESS ON *.* TO {role}"
+            )
+        } else if self.in_recovery && self.engine == Engine::MySql {
+            "the source is a replica (a replication SQL thread runs), which cannot see the transactions open on its \
+             primary: read from the primary"
+                .to_string()
+        } else if !self.sees_all_sessions {
             format!(
                 "the source role {role} cannot see other roles' transactions (pg_stat_activity shows their start as \
                  NULL), so rows they commit late could fall below the watermark unseen: \
@@ -100,6 +118,7 @@ pub async fn read(
     use sqlx::Row;
     let row = sqlx::query(VISIBILITY).bind(table.quoted()).fetch_one(source).await?;
     let visibility = Visibility {
+        engine: Engine::Postgres,
         role: row.get(0),
         sees_all_sessions: row.get::<Option<bool>, _>(1).unwrap_or(false),
         in_recovery: row.get(2),
@@ -138,6 +157,7 @@ mod tests {
 
     fn seeing() -> Visibility {
         Visibility {
+            engine: Engine::Postgres,
             role: "app_reader".into(),
             sees_all_sessions: true,
             in_recovery: false,

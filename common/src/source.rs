@@ -1,0 +1,155 @@
+//! The source boundary: what the worker and the coordinator ask of a source table, whatever
+//! engine serves it. The engine is named by the URL's scheme (`postgres://`, `mysql://`,
+//! `mariadb://`); its SQL lives in its own folder (`pg/`, `mysql/`). A source answers the
+//! clock, what the open-transaction bound sees, the largest key, and pages of rows as COPY
+//! text or (PostgreSQL to PostgreSQL) COPY binary in the staged layout.
+
+use sqlx::mysql::MySqlPool;
+use sqlx::postgres::PgPool;
+
+use crate::cursor::{KeyValue, ShardRange};
+use crate::mysql::MySqlStatements;
+use crate::pg::visibility::{self, PreparedTransaction, Visibility};
+use crate::pg::{TableName, TableSql};
+
+/// A source database's engine, from its URL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceEngine {
+    Postgres,
+    MySql,
+}
+
+impl SourceEngine {
+    pub fn of_url(url: &str) -> Result<SourceEngine, String> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(SourceEngine::Postgres)
+        } else if crate::mysql::is_mysql_url(url) {
+            Ok(SourceEngine::MySql)
+        } else {
+            let scheme = url.split_once("://").map_or("", |(s, _)| s);
+            Err(format!(
+                "unknown database URL scheme {scheme:?}: use postgres://, mysql:// or mariadb://"
+            ))
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceEngine::Postgres => "PostgreSQL",
+            SourceEngine::MySql => "MySQL/MariaDB",
+        }
+    }
+}
+
+/// A connection pool to a source.
+#[derive(Debug, Clone)]
+pub enum SourcePool {
+    Postgres(PgPool),
+    MySql(MySqlPool),
+}
+
+impl SourcePool {
+    pub fn engine(&self) -> SourceEngine {
+        match self {
+            SourcePool::Postgres(_) => SourceEngine::Postgres,
+            SourcePool::MySql(_) => SourceEngine::MySql,
+        }
+    }
+
+    /// The PostgreSQL pool, for what only a PostgreSQL source offers (a delete log read by
+    /// SQL of its own, binary pages, reconciliation's bucket hashes).
+    pub fn postgres(&self) -> Option<&PgPool> {
+        match self {
+            SourcePool::Postgres(pool) => Some(pool),
+            SourcePool::MySql(_) => None,
+        }
+    }
+
+    /// The source's clock, microseconds since the Unix epoch.
+    pub async fn now_micros(&self) -> Result<i64, sqlx::Error> {
+        match self {
+            SourcePool::Postgres(pool) => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(crate::pg::source_now_query()))
+                    .fetch_one(pool)
+                    .await
+            }
+            SourcePool::MySql(pool) => crate::mysql::source_now_micros(pool).await,
+        }
+    }
+
+    /// What the open-transaction bound sees of `table`'s writers, and the oldest prepared
+    /// transaction where the engine has ones without a known start.
+    pub async fn visibility(
+        &self,
+        table: &TableName,
+    ) -> Result<(Visibility, Option<PreparedTransaction>), sqlx::Error> {
+        match self {
+            SourcePool::Postgres(pool) => visibility::read(pool, table).await,
+            SourcePool::MySql(pool) => Ok((crate::mysql::visibility::read(pool).await?, None)),
+        }
+    }
+
+    /// One sample of the largest integer key and the clock after it (see `id_tail`).
+    pub async fn key_sample(&self, reads: &SourceReads, sql: &TableSql) -> Result<(Option<i64>, i64), sqlx::Error> {
+        let statement = reads.key_sample(sql);
+        match self {
+            SourcePool::Postgres(pool) => sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_one(pool).await,
+            SourcePool::MySql(pool) => sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_one(pool).await,
+        }
+    }
+
+    pub async fn close(&self) {
+        match self {
+            SourcePool::Postgres(pool) => pool.close().await,
+            SourcePool::MySql(pool) => pool.close().await,
+        }
+    }
+}
+
+/// The statements a task reads its source table with, in the source's dialect.
+#[derive(Debug, Clone)]
+pub enum SourceReads {
+    /// `COPY (SELECT …) TO STDOUT` from [`TableSql`].
+    Postgres,
+    MySql(MySqlStatements),
+}
+
+impl SourceReads {
+    pub fn snapshot_page(
+        &self,
+        sql: &TableSql,
+        range: &ShardRange,
+        after_key: Option<&[KeyValue]>,
+        max_key: Option<&KeyValue>,
+        limit: u32,
+    ) -> String {
+        match self {
+            SourceReads::Postgres => sql.snapshot_page(range, after_key, max_key, limit),
+            SourceReads::MySql(m) => m.snapshot_page(sql, range, after_key, max_key, limit),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn incremental_page(
+        &self,
+        sql: &TableSql,
+        range: &ShardRange,
+        t_micros: i64,
+        after_key: Option<&[KeyValue]>,
+        high_micros: i64,
+        upto: Option<(i64, &[KeyValue])>,
+        limit: u32,
+    ) -> String {
+        match self {
+            SourceReads::Postgres => sql.incremental_page_upto(range, t_micros, after_key, high_micros, upto, limit),
+            SourceReads::MySql(m) => m.incremental_page(sql, range, t_micros, after_key, high_micros, upto, limit),
+        }
+    }
+
+    pub fn key_sample(&self, sql: &TableSql) -> String {
+        match self {
+            SourceReads::Postgres => sql.key_sample(),
+            SourceReads::MySql(m) => m.key_sample(sql),
+        }
+    }
+}

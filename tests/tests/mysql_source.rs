@@ -1,0 +1,223 @@
+//! MariaDB → PostgreSQL: a MariaDB table of many types read by a production-like account
+//! (SELECT on the database, PROCESS for the open-transaction bound), snapshot then
+//! incremental, per key; a late-committing MariaDB transaction is not lost; values the
+//! target cannot hold become dead letters naming the key; an account without PROCESS is
+//! refused with the grant. Boundary: everything committed before the watermark; deletes:
+//! none. The oracle renders each side's values independently (MariaDB's own functions vs
+//! PostgreSQL's) and compares every column and the version per key.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use sqlx::Row;
+use tidemark_tests::mariadb::{MariaDb, MariaUser};
+use tidemark_tests::{Cluster, TaskSettings, TestDb};
+
+const CREATE: &str = "CREATE TABLE items (
+    id BIGINT NOT NULL PRIMARY KEY,
+    flag TINYINT(1) NOT NULL,
+    amount DECIMAL(65,30) NOT NULL,
+    big BIGINT UNSIGNED NOT NULL,
+    happened DATETIME(6) NULL,
+    note VARCHAR(100) CHARACTER SET utf8mb4 NULL,
+    latin VARCHAR(50) CHARACTER SET latin1 NULL,
+    raw BINARY(16) NULL,
+    kind ENUM('small','large') NOT NULL,
+    doc JSON NULL,
+    updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6),
+    KEY items_cursor (updated_at, id)
+) ENGINE=InnoDB";
+
+/// Rows `first..=last`: a 4-byte character, a tab, latin1 text, the largest unsigned values.
+fn insert(first: i64, last: i64) -> String {
+    format!(
+        "INSERT INTO items (id, flag, amount, big, happened, note, latin, raw, kind, doc) \
+         SELECT seq, seq % 2, seq / 7, 18446744073709551615 - seq, \
+         IF(seq % 11 = 0, NULL, TIMESTAMP'2024-03-01 10:00:00.123456' + INTERVAL seq SECOND), \
+         CONCAT('note ', seq, ' \u{1F980}', IF(seq % 7 = 0, '\ttab', '')), CONCAT('caf\u{e9} ', seq), \
+         UNHEX(MD5(seq)), IF(seq % 2, 'small', 'large'), JSON_OBJECT('n', seq) \
+         FROM seq_{first}_to_{last}"
+    )
+}
+
+/// A key's columns as one text and its version.
+type Rendered = (String, i64);
+
+/// Every key's columns as text, rendered by MariaDB's own functions, and its version.
+async fn source_rows(db: &MariaDb) -> BTreeMap<i64, Rendered> {
+    sqlx::query(
+        "SELECT id, CONCAT_WS('|', IF(flag, 't', 'f'), CAST(amount AS CHAR), CAST(big AS CHAR), \
+         IFNULL(DATE_FORMAT(happened, '%Y-%m-%d %H:%i:%s.%f'), 'NULL'), IFNULL(note, 'NULL'), IFNULL(latin, 'NULL'), \
+         IFNULL(LOWER(HEX(raw)), 'NULL'), kind, IFNULL(doc, 'NULL'), DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f')), \
+         CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated_at) AS SIGNED) FROM items",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|row| (row.get(0), (row.get(1), row.get(2))))
+    .collect()
+}
+
+/// The same, rendered by PostgreSQL from the target.
+async fn target_rows(db: &TestDb) -> BTreeMap<i64, Rendered> {
+    sqlx::query(
+        "SELECT id, concat_ws('|', CASE WHEN flag THEN 't' ELSE 'f' END, amount::text, big::text, \
+         coalesce(to_char(happened, 'YYYY-MM-DD HH24:MI:SS.US'), 'NULL'), coalesce(note, 'NULL'), \
+         coalesce(latin, 'NULL'), coalesce(encode(raw, 'hex'), 'NULL'), kind, coalesce(doc::text, 'NULL'), \
+         to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')), _tidemark_version FROM items",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|row| (row.get(0), (row.get(1), row.get(2))))
+    .collect()
+}
+
+/// Per key: the target holds exactly the source's rows except `letters` (keys whose values
+/// the target cannot hold), with equal columns and version.
+async fn assert_converged(source: &MariaDb, target: &TestDb, letters: &[i64], context: &str) {
+    let mut expected = source_rows(source).await;
+    for key in letters {
+        assert!(
+            expected.remove(key).is_some(),
+            "{context}: dead-letter key {key} is not in the source"
+        );
+    }
+    let actual = target_rows(target).await;
+    let missing: Vec<&i64> = expected.keys().filter(|k| !actual.contains_key(k)).collect();
+    let phantom: Vec<&i64> = actual.keys().filter(|k| !expected.contains_key(k)).collect();
+    let wrong: Vec<(i64, &Rendered, &Rendered)> = expected
+        .iter()
+        .filter_map(|(k, e)| actual.get(k).filter(|a| *a != e).map(|a| (*k, e, a)))
+        .collect();
+    assert!(
+        missing.is_empty() && phantom.is_empty() && wrong.is_empty(),
+        "{context}: {} missing (e.g. {:?}), {} phantom (e.g. {:?}), {} differ (e.g. {:?})",
+        missing.len(),
+        missing.iter().take(3).collect::<Vec<_>>(),
+        phantom.len(),
+        phantom.iter().take(3).collect::<Vec<_>>(),
+        wrong.len(),
+        wrong.iter().take(2).collect::<Vec<_>>()
+    );
+}
+
+async fn mariadb_now(db: &MariaDb) -> i64 {
+    sqlx::query_scalar("SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) AS SIGNED)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+fn settings(db: &MariaDb, user: &MariaUser) -> TaskSettings {
+    TaskSettings {
+        source_url: db.url_as(&user.name, &user.password),
+        source_table: "items".into(),
+        shards: 4,
+        page_size: 2000,
+        overlap: "1s",
+        ..TaskSettings::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mariadb_table_syncs_to_postgres_per_key() {
+    let source = MariaDb::create("my_src").await;
+    let user = MariaUser::create(
+        &source,
+        "my_reader",
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    source.exec(CREATE).await;
+    source.exec(&insert(1, 20_000)).await;
+    // Values PostgreSQL cannot hold: a NUL byte in text, a zero date.
+    source
+        .exec("UPDATE items SET note = CONCAT('nul', CHAR(0), 'byte') WHERE id = 77")
+        .await;
+    source
+        .exec("SET SESSION sql_mode = ''; UPDATE items SET happened = '0000-00-00 00:00:00' WHERE id = 78")
+        .await;
+    let mut cluster = Cluster::new("my_sync").await;
+    cluster.start(&settings(&source, &user)).await;
+    cluster.spawn_worker("a", 2, &[]);
+    cluster.spawn_worker("b", 2, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    assert_converged(&source, &cluster.target, &[77, 78], "after the snapshot").await;
+    let letters: BTreeMap<String, String> =
+        sqlx::query("SELECT key, message FROM tidemark_dead_letters WHERE task = 'items'")
+            .fetch_all(&cluster.target.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect();
+    let keys: Vec<&String> = letters.keys().collect();
+    assert_eq!(keys.len(), 2, "dead letters: {letters:?}");
+    assert!(
+        keys.iter().any(|k| k.contains("77")) && keys.iter().any(|k| k.contains("78")),
+        "{letters:?}"
+    );
+
+    // A writer that commits late: its transaction opens, changes a row, and commits after
+    // more than safety_delay + overlap; meanwhile other changes are synced past it.
+    let mut late = source.pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *late).await.unwrap();
+    sqlx::raw_sql("UPDATE items SET note = 'committed late' WHERE id = 5")
+        .execute(&mut *late)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    source
+        .exec("UPDATE items SET amount = amount + 1, note = CONCAT(note, ' u') WHERE id BETWEEN 10 AND 30000 AND id % 10 = 0")
+        .await;
+    source.exec(&insert(20_001, 21_000)).await;
+    let writes_end = mariadb_now(&source).await;
+    // The watermark cannot pass the open transaction's start, so this times out short of it.
+    let held = tokio::time::timeout(
+        Duration::from_secs(5),
+        cluster.wait_for_watermark(writes_end, Duration::from_secs(5)),
+    )
+    .await;
+    assert!(held.is_err(), "the watermark passed a transaction still open");
+    sqlx::raw_sql("COMMIT").execute(&mut *late).await.unwrap();
+    drop(late);
+    let end = mariadb_now(&source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(120)).await;
+    assert_converged(
+        &source,
+        &cluster.target,
+        &[77, 78],
+        "after updates, inserts and a late commit",
+    )
+    .await;
+    let note: String = sqlx::query_scalar("SELECT note FROM items WHERE id = 5")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(note, "committed late");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_account_without_process_is_refused_with_the_grant() {
+    let source = MariaDb::create("my_noproc").await;
+    let user = MariaUser::create(
+        &source,
+        "my_noproc",
+        &[&format!("GRANT SELECT ON `{}`.* ", source.name)],
+    )
+    .await;
+    source.exec(CREATE).await;
+    source.exec(&insert(1, 10)).await;
+    let mut cluster = Cluster::new("my_noproc").await;
+    let log = cluster.refused_start(&settings(&source, &user));
+    assert!(log.contains("open transactions not visible"), "{log}");
+    assert!(log.contains("GRANT PROCESS ON *.* TO"), "{log}");
+}
