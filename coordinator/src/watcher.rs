@@ -140,8 +140,7 @@ async fn check(
     }
     let tolerance = task.config.clock_tolerance().as_micros() as i64;
     if task.config.cursor_column.is_some()
-        && let Some(source) = postgres
-        && let Some(reason) = impossible_cursor_values(control, task, source, now, seen).await?
+        && let Some(reason) = impossible_cursor_values(control, task, pool, now, seen).await?
     {
         pause(control, name, &reason).await?;
         return Ok(());
@@ -296,7 +295,7 @@ async fn check_truncation(control: &ControlDb, task: &PreparedTask, source: &PgP
 async fn impossible_cursor_values(
     control: &ControlDb,
     task: &PreparedTask,
-    source: &PgPool,
+    source: &SourcePool,
     now: i64,
     seen: &mut Seen,
 ) -> Result<Option<String>, CoordinatorError> {
@@ -309,11 +308,32 @@ async fn impossible_cursor_values(
         cursor_zone: epoch.cursor_zone.clone(),
         ..planner::table_sql(task)?
     };
-    let (infinite, newest): (Option<Vec<String>>, Option<i64>) =
-        sqlx::query_as(sqlx::AssertSqlSafe(sql.cursor_extremes()))
-            .fetch_one(source)
+    let (infinite, newest): (Option<Vec<String>>, Option<i64>) = match source {
+        SourcePool::Postgres(pool) => sqlx::query_as(sqlx::AssertSqlSafe(sql.cursor_extremes()))
+            .fetch_one(pool)
             .await
-            .map_err(CoordinatorError::Source)?;
+            .map_err(CoordinatorError::Source)?,
+        SourcePool::MySql(pool) => {
+            let table = &sql.source;
+            let columns = tidemark_common::mysql::types::columns(pool, &table.schema, &table.name)
+                .await
+                .map_err(CoordinatorError::Source)?
+                .unwrap_or_default();
+            if !columns.iter().any(|c| Some(&c.name) == sql.cursor_column.as_ref()) {
+                // Gone: the schema check pauses the task.
+                return Ok(None);
+            }
+            let reads = tidemark_common::mysql::MySqlStatements {
+                table: table.clone(),
+                columns,
+            };
+            let newest: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(reads.newest_cursor(&sql)))
+                .fetch_one(pool)
+                .await
+                .map_err(CoordinatorError::Source)?;
+            (None, newest)
+        }
+    };
     if let Some(mut values) = infinite {
         let value = values.pop().unwrap_or_default();
         return Ok(Some(format!(

@@ -221,3 +221,215 @@ async fn an_account_without_process_is_refused_with_the_grant() {
     assert!(log.contains("open transactions not visible"), "{log}");
     assert!(log.contains("GRANT PROCESS ON *.* TO"), "{log}");
 }
+
+/// Text keys in a case-insensitive collation, sharded at quantiles and paged by the server's
+/// own comparison; a `DATETIME` cursor that the application writes as local time of +02:00
+/// (`cursor_time_zone`); soft deletes. Read in UTC, every change would sit two hours above
+/// the read window and the watermark would not reach the writes: the wait times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_keys_in_the_source_collation_and_a_local_datetime_cursor() {
+    let source = MariaDb::create("my_users").await;
+    let user = MariaUser::create(
+        &source,
+        "my_users",
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    source
+        .exec(
+            "CREATE TABLE users (
+                email VARCHAR(100) COLLATE utf8mb4_general_ci NOT NULL PRIMARY KEY,
+                name VARCHAR(100) NOT NULL,
+                deleted TINYINT(1) NOT NULL DEFAULT 0,
+                changed DATETIME(6) NOT NULL,
+                KEY users_cursor (changed, email)
+            )",
+        )
+        .await;
+    let local_now = "CONVERT_TZ(UTC_TIMESTAMP(6), '+00:00', '+02:00')";
+    // Upper and lower case interleave in the collation's order, not in byte order.
+    source
+        .exec(&format!(
+            "INSERT INTO users SELECT CONCAT(ELT(1 + seq % 4, 'User', 'user', '\u{c9}mile', 'emile'), seq, '@Example.com'), \
+             CONCAT('name ', seq), 0, {local_now} FROM seq_1_to_6000"
+        ))
+        .await;
+    let mut cluster = Cluster::new("my_users").await;
+    cluster
+        .start(&TaskSettings {
+            source_table: "users".into(),
+            target_table: "public.users".into(),
+            key: vec!["email".into()],
+            cursor_column: "changed".into(),
+            extra: "cursor_time_zone = \"+02:00\"\ndelete_policy = { kind = \"soft\", column = \"deleted\" }".into(),
+            page_size: 500,
+            ..settings(&source, &user)
+        })
+        .await;
+    cluster.spawn_worker("a", 2, &[]);
+    cluster.spawn_worker("b", 2, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    assert_users_converged(&source, &cluster.target, "after the snapshot").await;
+
+    source
+        .exec(&format!(
+            "UPDATE users SET deleted = 1, changed = {local_now} WHERE email LIKE 'user1%'; \
+             UPDATE users SET name = CONCAT(name, ' renamed'), changed = {local_now} WHERE email LIKE '\u{c9}mile2%'; \
+             INSERT INTO users SELECT CONCAT('New', seq, '@example.com'), 'new', 0, {local_now} FROM seq_1_to_300"
+        ))
+        .await;
+    let end = mariadb_now(&source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    assert_users_converged(&source, &cluster.target, "after deletes, renames and inserts").await;
+}
+
+async fn assert_users_converged(source: &MariaDb, target: &TestDb, context: &str) {
+    let expected: BTreeMap<String, Rendered> = sqlx::query(
+        "SELECT email, CONCAT(name, '|', DATE_FORMAT(changed, '%Y-%m-%d %H:%i:%s.%f')), \
+         CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', CONVERT_TZ(changed, '+02:00', '+00:00')) AS SIGNED) \
+         FROM users WHERE deleted = 0",
+    )
+    .fetch_all(&source.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|row| (row.get(0), (row.get(1), row.get(2))))
+    .collect();
+    let actual: BTreeMap<String, Rendered> = sqlx::query(
+        "SELECT email, name || '|' || to_char(changed, 'YYYY-MM-DD HH24:MI:SS.US'), _tidemark_version FROM users",
+    )
+    .fetch_all(&target.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|row| (row.get(0), (row.get(1), row.get(2))))
+    .collect();
+    assert!(expected.len() > 5000, "{context}: {} live source rows", expected.len());
+    let differing: Vec<&String> = expected
+        .keys()
+        .chain(actual.keys())
+        .filter(|k| expected.get(*k) != actual.get(*k))
+        .take(5)
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "{context}: {} source vs {} target keys; differing e.g. {:?}",
+        expected.len(),
+        actual.len(),
+        differing
+            .iter()
+            .map(|k| (k, expected.get(*k), actual.get(*k)))
+            .collect::<Vec<_>>()
+    );
+}
+
+/// Append mode on an AUTO_INCREMENT key: inserts only, read once in key order below the
+/// bound no open transaction can still add a key under.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_auto_increment_table_appends() {
+    let source = MariaDb::create("my_events").await;
+    let user = MariaUser::create(
+        &source,
+        "my_events",
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    source
+        .exec("CREATE TABLE events (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, payload VARCHAR(50) NOT NULL)")
+        .await;
+    source
+        .exec("INSERT INTO events (payload) SELECT CONCAT('event ', seq) FROM seq_1_to_5000")
+        .await;
+    let mut cluster = Cluster::new("my_events").await;
+    cluster
+        .start(&TaskSettings {
+            source_table: "events".into(),
+            target_table: "public.events".into(),
+            cursor_column: String::new(),
+            extra: "mode = \"append\"".into(),
+            ..settings(&source, &user)
+        })
+        .await;
+    cluster.spawn_worker("a", 4, &[]);
+    source
+        .exec("INSERT INTO events (payload) SELECT CONCAT('later ', seq) FROM seq_1_to_2000")
+        .await;
+    let expected: BTreeMap<i64, String> = sqlx::query("SELECT id, payload FROM events")
+        .fetch_all(&source.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let actual: BTreeMap<i64, String> = sqlx::query("SELECT id, payload FROM events")
+            .fetch_all(&cluster.target.pool)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect();
+        if actual == expected {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "append: {} of {} keys, first differing {:?}",
+            actual.len(),
+            expected.len(),
+            expected.iter().find(|(k, v)| actual.get(k) != Some(v))
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// The application writes `DATETIME` local times of +02:00 but the task reads them in the
+/// server's zone (UTC here): the newest values lie two hours ahead of the source clock, and
+/// the task pauses by name instead of reading every change hours late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_datetime_cursor_in_another_zone_pauses_by_name() {
+    let source = MariaDb::create("my_zone").await;
+    let user = MariaUser::create(
+        &source,
+        "my_zone",
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    source
+        .exec("CREATE TABLE items (id BIGINT NOT NULL PRIMARY KEY, changed DATETIME(6) NOT NULL, KEY (changed, id))")
+        .await;
+    source
+        .exec("INSERT INTO items SELECT seq, CONVERT_TZ(UTC_TIMESTAMP(6), '+00:00', '+02:00') FROM seq_1_to_100")
+        .await;
+    let mut cluster = Cluster::new("my_zone").await;
+    cluster
+        .start(&TaskSettings {
+            cursor_column: "changed".into(),
+            ..settings(&source, &user)
+        })
+        .await;
+    cluster.spawn_worker("a", 4, &[]);
+    let status = cluster
+        .wait_for("paused", Duration::from_secs(60), |t| !t.paused_reason.is_empty())
+        .await;
+    assert!(
+        status
+            .paused_reason
+            .starts_with("cursor values ahead of the source clock")
+            && status.paused_reason.contains("cursor_time_zone"),
+        "{}",
+        status.paused_reason
+    );
+}

@@ -208,6 +208,19 @@ impl MySqlStatements {
         self.select(&self.list(sql, false), &conditions, &columns.join(", "), limit)
     }
 
+    /// The newest cursor time (microseconds; MySQL has no infinite times), through the
+    /// cursor index.
+    pub fn newest_cursor(&self, sql: &TableSql) -> String {
+        let cursor = self.cursor(sql);
+        let column = quote_ident(&cursor.name);
+        let newest = format!("(SELECT MAX({column}) FROM {})", self.table());
+        let utc = match (&sql.cursor_zone, cursor.is_naive_time()) {
+            (Some(zone), true) => format!("CONVERT_TZ({newest}, {}, '+00:00')", quote_literal(zone)),
+            _ => newest,
+        };
+        format!("SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', {utc}) AS SIGNED)")
+    }
+
     /// The largest integer key and the source clock after the statement's view.
     pub fn key_sample(&self, sql: &TableSql) -> String {
         format!(
