@@ -16,19 +16,21 @@ use futures::TryStreamExt;
 use tidemark_tests::otlp::{sample, scrape};
 use tidemark_tests::{Cluster, TaskSettings, TestDb, free_port};
 
+mod mariadb;
+
 #[derive(Parser)]
 #[command(about = "Tidemark end-to-end benchmark against a raw binary COPY pipe")]
-struct Args {
+pub(crate) struct Args {
     #[arg(long, default_value_t = 1_000_000)]
-    rows: i64,
+    pub(crate) rows: i64,
     #[arg(long, default_value_t = 100_000)]
     updates: i64,
     #[arg(long, default_value_t = 2)]
-    workers: usize,
+    pub(crate) workers: usize,
     #[arg(long, default_value_t = 8)]
-    shards: u32,
+    pub(crate) shards: u32,
     #[arg(long, default_value_t = 10_000)]
-    page_size: u32,
+    pub(crate) page_size: u32,
     /// `text` makes the workers read and apply COPY text (`TIDEMARK_COPY_FORMAT`); `auto`
     /// lets them choose binary where the column types allow.
     #[arg(long, default_value = "auto")]
@@ -40,6 +42,10 @@ struct Args {
     /// installs it) into a fresh target, and print it beside the `file://` run.
     #[arg(long)]
     compare_s3: bool,
+    /// `mariadb`: the snapshot from a MariaDB table (the machine's server) into PostgreSQL,
+    /// against `mariadb --batch | COPY` measured in the same run.
+    #[arg(long, default_value = "postgres")]
+    source: String,
 }
 
 const TABLE: &str = "CREATE TABLE bench_items (
@@ -100,7 +106,7 @@ async fn baseline(source: &TestDb, target: &TestDb) -> (f64, u64) {
     (started.elapsed().as_secs_f64(), bytes)
 }
 
-fn peak_rss_mib(pid: u32) -> f64 {
+pub(crate) fn peak_rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
@@ -138,6 +144,9 @@ async fn scalar(db: &TestDb, sql: &str) -> String {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.source == "mariadb" {
+        return mariadb::run(&args).await;
+    }
     let rows = args.rows;
     let mut cluster = Cluster::new("bench").await;
     let base = TestDb::create("bench_base").await;
@@ -338,7 +347,7 @@ async fn snapshot(cluster: &mut Cluster, args: &Args, staging: String) -> (f64, 
 }
 
 /// Seconds per protocol step, summed over the workers' `tidemark_batch_step_seconds`.
-async fn step_seconds(metrics: &[String]) -> Vec<(&'static str, f64)> {
+pub(crate) async fn step_seconds(metrics: &[String]) -> Vec<(&'static str, f64)> {
     let mut steps = Vec::new();
     for step in ["read", "stage", "register", "apply", "verify", "commit"] {
         let mut total = 0.0;
