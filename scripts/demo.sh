@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Tidemark end to end on this machine: a demo source table in PostgreSQL, etcd, one
 # coordinator and two workers; snapshot, then live updates and inserts; then a per-key
-# verification of target against source. Usage: scripts/demo.sh [ROWS]  (default 100000)
+# verification of target against source. Usage: scripts/demo.sh [--source mariadb] [ROWS]
+# (default 100000 rows; `--source mariadb` reads the table from the machine's MariaDB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source_engine=postgres
+if [ "${1:-}" = "--source" ]; then source_engine="$2"; shift 2; fi
+case "$source_engine" in postgres|mariadb) ;; *) echo "demo: --source is postgres or mariadb" >&2; exit 2 ;; esac
 rows="${1:-100000}"
+mariadb_q() { mariadb -h 127.0.0.1 -u root -N -B "$@"; }
 run=".tidemark-run/demo"
 pg="postgres://postgres@127.0.0.1:5432"
 psql_q() { psql -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -U postgres "$@"; }
@@ -22,7 +27,28 @@ trap cleanup EXIT
 for db in tidemark_demo_app tidemark_demo_warehouse tidemark_demo_control; do
   psql_q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db"
 done
-echo "demo: creating $rows source rows"
+echo "demo: creating $rows source rows in $source_engine"
+source_url="$pg/tidemark_demo_app"
+source_table="public.items"
+if [ "$source_engine" = mariadb ]; then
+  source_url="mysql://root@127.0.0.1:3306/tidemark_demo_app"
+  source_table="items"
+  mariadb_q <<SQL
+DROP DATABASE IF EXISTS tidemark_demo_app;
+CREATE DATABASE tidemark_demo_app CHARACTER SET utf8mb4;
+USE tidemark_demo_app;
+CREATE TABLE items (
+  id BIGINT NOT NULL PRIMARY KEY,
+  name VARCHAR(200) NOT NULL,
+  price DECIMAL(12,2),
+  payload JSON,
+  updated_at TIMESTAMP(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3),
+  KEY items_cursor (updated_at, id)
+);
+INSERT INTO items SELECT seq, CONCAT('item ', seq), (seq % 1000) / 7.0, JSON_OBJECT('n', seq, 'tags', JSON_ARRAY('a', seq % 3)),
+       NOW(3) - INTERVAL 1 HOUR + INTERVAL (seq % 3600) SECOND FROM seq_1_to_$rows;
+SQL
+else
 psql_q -d tidemark_demo_app <<SQL
 CREATE TABLE items (
   id bigint PRIMARY KEY,
@@ -37,6 +63,7 @@ SELECT g, 'item ' || g, (g % 1000) / 7.0, jsonb_build_object('n', g, 'tags', jso
        now() - interval '1 hour' + (g % 3600) * interval '1 second'
 FROM generate_series(1, $rows) g;
 SQL
+fi
 
 cat >"$run/tidemark.toml" <<TOML
 [coordinator]
@@ -49,8 +76,8 @@ lease_ttl = "10s"
 
 [[tasks]]
 name = "items"
-source = "$pg/tidemark_demo_app"
-source_table = "public.items"
+source = "$source_url"
+source_table = "$source_table"
 target = "$pg/tidemark_demo_warehouse"
 target_table = "public.items"
 key = ["id"]
@@ -88,16 +115,34 @@ wait_for "t['snapshot_complete']" 600
 echo "demo: snapshot of $rows rows complete in $((SECONDS - start)) s"
 
 echo "demo: updating 2000 rows and inserting 2000 while the workers run"
+if [ "$source_engine" = mariadb ]; then
+  mariadb_q tidemark_demo_app -e "UPDATE items SET name = CONCAT(name, ' (updated)'), updated_at = NOW(3) WHERE id % 50 = 0 AND id <= 100000;
+    INSERT INTO items SELECT seq, CONCAT('new ', seq), 1.5, NULL, NOW(3) FROM seq_$((rows + 1))_to_$((rows + 2000))"
+  writes_end=$(mariadb_q -e "SELECT CONCAT(LEFT(DATE_FORMAT(UTC_TIMESTAMP(3), '%Y-%m-%dT%H:%i:%s.%f'), 23), 'Z')")
+else
 psql_q -d tidemark_demo_app -c "UPDATE items SET name = name || ' (updated)', updated_at = now() WHERE id % 50 = 0 AND id <= 100000" \
   -c "INSERT INTO items SELECT g, 'new ' || g, 1.5, NULL, now() FROM generate_series($rows + 1, $rows + 2000) g"
 writes_end=$(psql_q -d tidemark_demo_app -At -c "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')")
+fi
 wait_for "t['watermark'] is not None and t['watermark'] > '$writes_end'" 120
 echo "demo: watermark $(status_field "t['watermark']") passed the end of the writes ($writes_end)"
 "$bin/tidemark-coordinator" status --coordinator http://127.0.0.1:7400
 
 echo "demo: per-key verification (every column and the source version)"
+if [ "$source_engine" = mariadb ]; then
+  # Each side rendered by its own functions: MariaDB's and PostgreSQL's.
+  mariadb_q tidemark_demo_app -e "SELECT id, name, IFNULL(price, 'NULL'), IFNULL(payload, 'NULL'),
+    LEFT(DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f'), 23),
+    TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', CONVERT_TZ(updated_at, @@session.time_zone, '+00:00'))
+    FROM items ORDER BY id" >"$run/source.tsv"
+  # MariaDB renders TIMESTAMP in its session zone: render the target's in the same one.
+  zone=$(mariadb_q -e "SELECT IF(@@session.time_zone = 'SYSTEM', @@system_time_zone, @@session.time_zone)")
+  psql_q -d tidemark_demo_warehouse -At -c "COPY (SELECT id, name, coalesce(price::text, 'NULL'), coalesce(payload, 'NULL'),
+    to_char(updated_at AT TIME ZONE '$zone', 'YYYY-MM-DD HH24:MI:SS.MS'), _tidemark_version FROM items ORDER BY id) TO STDOUT" >"$run/target.tsv"
+else
 psql_q -d tidemark_demo_app -At -c "COPY (SELECT id, name, price, payload, updated_at, (extract(epoch from updated_at) * 1000000)::bigint FROM items ORDER BY id) TO STDOUT" >"$run/source.tsv"
 psql_q -d tidemark_demo_warehouse -At -c "COPY (SELECT id, name, price, payload, updated_at, _tidemark_version FROM items ORDER BY id) TO STDOUT" >"$run/target.tsv"
+fi
 keys=$(wc -l <"$run/source.tsv")
 if diff -q "$run/source.tsv" "$run/target.tsv" >/dev/null; then
   echo "demo: PASS: $keys keys, target equals source per key (0 lost, 0 stale, 0 phantom)"

@@ -75,7 +75,10 @@ fn baseline(source: &MariaDb, target: &TestDb) -> f64 {
         .stdin(out.stdout.take().unwrap())
         .status()
         .expect("psql");
-    assert!(status.success() && out.wait().unwrap().success(), "baseline pipe failed");
+    assert!(
+        status.success() && out.wait().unwrap().success(),
+        "baseline pipe failed"
+    );
     started.elapsed().as_secs_f64()
 }
 
@@ -91,12 +94,14 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
     let source = MariaDb::create("bench_my").await;
     let started = Instant::now();
     generate(&source, rows).await;
-    eprintln!("generated {rows} MariaDB rows in {:.1}s", started.elapsed().as_secs_f64());
-    let source_check: String = sqlx::query_scalar(
-        "SELECT CONCAT(COUNT(*), ' / ', SUM(id), ' / ', SUM(amount)) FROM bench_items",
-    )
-    .fetch_one(&source.pool)
-    .await?;
+    eprintln!(
+        "generated {rows} MariaDB rows in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    let source_check: String =
+        sqlx::query_scalar("SELECT CONCAT(COUNT(*), ' / ', SUM(id), ' / ', SUM(amount)) FROM bench_items")
+            .fetch_one(&source.pool)
+            .await?;
 
     let base = TestDb::create("bench_my_base").await;
     base.exec(PG_TABLE).await;
@@ -142,7 +147,11 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
         .await;
     let secs = started.elapsed().as_secs_f64();
     let rss: Vec<String> = pids.iter().map(|p| format!("{:.0}", crate::peak_rss_mib(*p))).collect();
-    assert_eq!(pg_check(&cluster.target).await, source_check, "the target equals the source");
+    assert_eq!(
+        pg_check(&cluster.target).await,
+        source_check,
+        "the target equals the source"
+    );
     let steps: Vec<String> = crate::step_seconds(&metrics)
         .await
         .into_iter()

@@ -674,6 +674,48 @@ cursor_column = "updated_at"
     }
 
     #[test]
+    fn mysql_sources_resolve_their_database_and_refuse_what_they_lack() {
+        let mysql = |source: &str, table: &str, extra: &str| {
+            let text = MINIMAL
+                .replace(
+                    "source = \"postgres://postgres@127.0.0.1:5432/app\"",
+                    &format!("source = \"{source}\""),
+                )
+                .replace(
+                    "source_table = \"public.items\"",
+                    &format!("source_table = \"{table}\"\n{extra}"),
+                );
+            Config::parse(&text, "t.toml", env)
+        };
+        let config = mysql("mariadb://reader@127.0.0.1:3306/shop", "items", "").unwrap();
+        assert_eq!(config.tasks[0].source_table, "shop.items");
+        let config = mysql("mysql://reader@127.0.0.1:3306/shop", "other.items", "").unwrap();
+        assert_eq!(config.tasks[0].source_table, "other.items");
+        let error = mysql("mysql://reader@127.0.0.1:3306", "items", "")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("write `database.table`"), "{error}");
+        for (extra, named) in [
+            (
+                "delete_policy = { kind = \"tombstone_table\", retention = \"1h\" }",
+                "delete_policy tombstone_table",
+            ),
+            ("delete_policy = { kind = \"reconcile\" }", "delete_policy reconcile"),
+            ("version = \"trigger\"", "version trigger"),
+        ] {
+            let error = mysql("mysql://reader@127.0.0.1:3306/shop", "items", extra)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains(named) && error.contains("not supported on a MySQL"),
+                "{error}"
+            );
+        }
+        let error = mysql("sqlserver://x/y", "items", "").unwrap_err().to_string();
+        assert!(error.contains("unknown database URL scheme \"sqlserver\""), "{error}");
+    }
+
+    #[test]
     fn tls_settings_and_their_rules() {
         let with = |endpoints: &str, lines: &str| {
             let text = MINIMAL

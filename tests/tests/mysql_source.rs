@@ -433,3 +433,62 @@ async fn a_datetime_cursor_in_another_zone_pauses_by_name() {
         status.paused_reason
     );
 }
+
+/// A worker killed after registering a batch, every source session of the account killed
+/// while the others run (as a MariaDB restart drops them), writes meanwhile: the replay and
+/// the reconnects converge per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_and_dropped_source_sessions_converge_per_key() {
+    let source = MariaDb::create("my_crash").await;
+    let user = MariaUser::create(
+        &source,
+        "my_crash",
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    source.exec(CREATE).await;
+    source.exec(&insert(1, 30_000)).await;
+    let mut cluster = Cluster::new("my_crash").await;
+    cluster.start(&settings(&source, &user)).await;
+    let crasher = cluster.spawn_worker("crasher", 4, &[("TIDEMARK_CRASH_AT", "after_register:3")]);
+    let exit = cluster.workers[crasher]
+        .wait_exit(Duration::from_secs(60))
+        .expect("the crash point was reached");
+    assert!(!exit.success(), "killed at the crash point");
+    cluster.spawn_worker("steady", 4, &[]);
+    cluster
+        .wait_for("a shard acquired again", Duration::from_secs(60), |t| {
+            t.shards.iter().any(|s| s.owner == "steady")
+        })
+        .await;
+    let sessions: Vec<i64> = sqlx::query_scalar("SELECT id FROM information_schema.processlist WHERE user = ?")
+        .bind(&user.name)
+        .fetch_all(&source.pool)
+        .await
+        .unwrap();
+    assert!(!sessions.is_empty(), "the workers hold source sessions");
+    for id in sessions {
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
+            .execute(&source.pool)
+            .await;
+    }
+    source
+        .exec("UPDATE items SET amount = amount + 2 WHERE id BETWEEN 1 AND 30000 AND id % 7 = 0")
+        .await;
+    source.exec(&insert(30_001, 31_000)).await;
+    let end = mariadb_now(&source).await;
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    cluster.wait_for_watermark(end, Duration::from_secs(120)).await;
+    assert_converged(
+        &source,
+        &cluster.target,
+        &[],
+        "after a crash, dropped sessions and writes",
+    )
+    .await;
+}
