@@ -492,7 +492,6 @@ impl Config {
             }
             if crate::mysql::is_mysql_url(&task.source) {
                 let unsupported = match (&task.delete_policy, &task.version) {
-                    _ if task.mode == TaskMode::Accumulate => Some("mode accumulate"),
                     (Some(DeletePolicy::TombstoneTable { .. }), _) => Some("delete_policy tombstone_table"),
                     (Some(DeletePolicy::Reconcile {}), _) => Some("delete_policy reconcile"),
                     (_, VersionConfig::Trigger) => Some("version trigger"),
@@ -501,8 +500,8 @@ impl Config {
                 };
                 if let Some(feature) = unsupported {
                     return Err(invalid(format!(
-                        "task {name}: {feature} is not supported on a MySQL/MariaDB source yet (supported: upsert \
-                         and append modes, delete_policy soft, version = column)"
+                        "task {name}: {feature} is not supported on a MySQL/MariaDB source yet (supported: upsert, \
+                         append and accumulate modes, delete_policy soft, version = column)"
                     )));
                 }
             }
