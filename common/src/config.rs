@@ -424,6 +424,15 @@ impl Config {
             })?;
             task.source_table = format!("{database}.{}", task.source_table);
         }
+        for task in &mut self.tasks {
+            // What `tasks reinit` and a bare `reconcile` compare: versions, the only
+            // comparison a MySQL source offers (a configured reconciliation must say so).
+            let reconciles =
+                task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
+            if crate::mysql::is_mysql_url(&task.source) && !reconciles {
+                task.reconcile_compare = ReconcileCompare::Versions;
+            }
+        }
         Ok(())
     }
 
@@ -493,11 +502,17 @@ impl Config {
             if crate::mysql::is_mysql_url(&task.source) {
                 let unsupported = match (&task.delete_policy, &task.version) {
                     (Some(DeletePolicy::TombstoneTable { .. }), _) => Some("delete_policy tombstone_table"),
-                    (Some(DeletePolicy::Reconcile {}), _) => Some("delete_policy reconcile"),
                     (_, VersionConfig::Trigger) => Some("version trigger"),
-                    _ if task.reconcile_every.is_some() => Some("reconcile_every"),
                     _ => None,
                 };
+                let reconciles =
+                    task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
+                if reconciles && task.reconcile_compare == ReconcileCompare::Content {
+                    return Err(invalid(format!(
+                        "task {name}: a MySQL/MariaDB source reconciles versions only (no hash of every column's \
+                         content that both engines compute alike yet): set reconcile_compare = \"versions\""
+                    )));
+                }
                 if let Some(feature) = unsupported {
                     return Err(invalid(format!(
                         "task {name}: {feature} is not supported on a MySQL/MariaDB source yet (supported: upsert, \
@@ -699,7 +714,6 @@ cursor_column = "updated_at"
                 "delete_policy = { kind = \"tombstone_table\", retention = \"1h\" }",
                 "delete_policy tombstone_table",
             ),
-            ("delete_policy = { kind = \"reconcile\" }", "delete_policy reconcile"),
             ("version = \"trigger\"", "version trigger"),
         ] {
             let error = mysql("mysql://reader@127.0.0.1:3306/shop", "items", extra)
@@ -710,6 +724,17 @@ cursor_column = "updated_at"
                 "{error}"
             );
         }
+        let error = mysql("mysql://r@h/shop", "items", "delete_policy = { kind = \"reconcile\" }")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("reconcile_compare = \"versions\""), "{error}");
+        let config = mysql(
+            "mysql://r@h/shop",
+            "items",
+            "delete_policy = { kind = \"reconcile\" }\nreconcile_compare = \"versions\"",
+        )
+        .unwrap();
+        assert_eq!(config.tasks[0].reconcile_compare, ReconcileCompare::Versions);
         let error = mysql("sqlserver://x/y", "items", "").unwrap_err().to_string();
         assert!(error.contains("unknown database URL scheme \"sqlserver\""), "{error}");
     }

@@ -452,6 +452,20 @@ async fn inspect_mysql_source(config: &TaskConfig) -> Result<SourceInfo, Coordin
         });
     }
     let version_column = validate_columns(config, &table, &columns)?;
+    let reconciles =
+        config.reconcile_every.is_some() || matches!(config.delete_policy, Some(DeletePolicy::Reconcile {}));
+    let first_key = columns
+        .iter()
+        .find(|c| c.column.name == config.key[0])
+        .expect("validated");
+    if reconciles && (config.key.len() != 1 || !is_integer_type(&first_key.column.sql_type)) {
+        return Err(setup(format!(
+            "reconciliation on a MySQL/MariaDB source needs a single integer key (buckets split at integer \
+             thresholds compare alike on both engines; text collations do not); {:?} is {}",
+            config.key.join(", "),
+            first_key.column.sql_type
+        )));
+    }
     if !mysql::inspect::key_is_unique(&pool, &table, &config.key)
         .await
         .map_err(reading)?

@@ -685,6 +685,15 @@ impl AdminService for CoordinatorService {
         } else {
             ReconcileCompare::parse(&request.compare).map_err(CoordinatorError::InvalidRequest)?
         };
+        if compare == ReconcileCompare::Content
+            && tidemark_common::mysql::is_mysql_url(&self.task(&request.task)?.config.source)
+        {
+            return Err(CoordinatorError::InvalidRequest(format!(
+                "task {}: a MySQL/MariaDB source reconciles versions only: use --compare versions",
+                request.task
+            ))
+            .into());
+        }
         let run_id = self
             .inner
             .control

@@ -19,7 +19,9 @@ use sqlx::postgres::PgPool;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::copy_text;
 use tidemark_common::cursor::{KeyValue, ShardRange};
+use tidemark_common::mysql::MySqlStatements;
 use tidemark_common::pg::reconcile::{Scope, Side};
+use tidemark_common::source::{SourcePool, SourceReads};
 use tidemark_proto::v1 as pb;
 
 use crate::client::CoordinatorClient;
@@ -96,6 +98,12 @@ impl ShardRun {
         since_micros: Option<i64>,
         content: bool,
     ) -> Result<Outcome, WorkerError> {
+        if content && self.mysql_source().is_some() {
+            // The coordinator refuses such runs; never compare less than was asked.
+            return Err(WorkerError::Assignment(
+                "a MySQL/MariaDB source reconciles versions only (reconcile_compare = \"versions\")".into(),
+            ));
+        }
         let mut outcome = Outcome::default();
         let mut repairs: Vec<Repair> = Vec::new();
         // (range, counts per side when already known from the parent's buckets)
@@ -105,6 +113,7 @@ impl ShardRun {
                 range: &range,
                 since_micros,
                 content,
+                portable: self.mysql_source().is_some(),
             };
             let (source_count, target_count) = match known {
                 Some(counts) => counts,
@@ -176,7 +185,26 @@ impl ShardRun {
         }
     }
 
+    /// The MySQL source and its statements, when the source is MySQL/MariaDB.
+    fn mysql_source(&self) -> Option<(&sqlx::MySqlPool, &MySqlStatements)> {
+        match (&self.resources.source, &self.reads) {
+            (SourcePool::MySql(pool), SourceReads::MySql(statements)) => Some((pool, statements)),
+            _ => None,
+        }
+    }
+
     async fn sums(&self, side: Side, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<Sums, WorkerError> {
+        if let (Side::Source, Some((pool, mysql))) = (side, self.mysql_source()) {
+            let rows: Vec<(i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(
+                mysql.checksum_buckets(&self.sql, scope, thresholds),
+            ))
+            .fetch_all(pool)
+            .await?;
+            return Ok(rows
+                .into_iter()
+                .map(|(bucket, count, hash)| (bucket as i32, (count, hash)))
+                .collect());
+        }
         let statement = self.sql.checksum_buckets(side, scope, thresholds);
         let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
             .fetch_all(self.side_pool(side)?)
@@ -200,11 +228,20 @@ impl ShardRun {
             let mut lo = i64::MAX;
             let mut hi = i64::MIN;
             for side in [Side::Source, Side::Target] {
-                let row = sqlx::query(sqlx::AssertSqlSafe(self.sql.key_bounds(side, scope)))
-                    .fetch_one(self.side_pool(side)?)
-                    .await?;
-                let parse = |i: usize| row.get::<Option<String>, _>(i).and_then(|t| t.parse::<i64>().ok());
-                if let (Some(min), Some(max)) = (parse(0), parse(1)) {
+                let (min, max): (Option<String>, Option<String>) = match (side, self.mysql_source()) {
+                    (Side::Source, Some((pool, mysql))) => {
+                        sqlx::query_as(sqlx::AssertSqlSafe(mysql.key_bounds(&self.sql, scope)))
+                            .fetch_one(pool)
+                            .await?
+                    }
+                    _ => {
+                        sqlx::query_as(sqlx::AssertSqlSafe(self.sql.key_bounds(side, scope)))
+                            .fetch_one(self.side_pool(side)?)
+                            .await?
+                    }
+                };
+                let parse = |t: Option<String>| t.and_then(|t| t.parse::<i64>().ok());
+                if let (Some(min), Some(max)) = (parse(min), parse(max)) {
                     lo = lo.min(min);
                     hi = hi.max(max);
                 }
@@ -259,7 +296,18 @@ impl ShardRun {
                 )
             }
         };
-        let source = read(Side::Source).await?;
+        let source = match self.mysql_source() {
+            Some((pool, mysql)) => {
+                let rows: Vec<(String, i64, i64)> =
+                    sqlx::query_as(sqlx::AssertSqlSafe(mysql.key_versions(&self.sql, scope)))
+                        .fetch_all(pool)
+                        .await?;
+                rows.into_iter()
+                    .map(|(key, version, content)| (vec![key], (version, content)))
+                    .collect()
+            }
+            None => read(Side::Source).await?,
+        };
         let target = read(Side::Target).await?;
         outcome.rows_read += (source.len() + target.len()) as u64;
         let key_types = self.sql.key_types();
@@ -308,7 +356,10 @@ impl ShardRun {
         let page = read_page(
             &self.resources.source,
             &self.sql,
-            &self.sql.rows_by_key(&keys),
+            &match self.mysql_source() {
+                Some((_, mysql)) => mysql.rows_by_key(&self.sql, &keys),
+                None => self.sql.rows_by_key(&keys),
+            },
             CopyFormat::Text,
             false,
         )

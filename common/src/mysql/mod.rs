@@ -11,6 +11,7 @@
 
 pub mod inspect;
 pub mod read;
+pub mod reconcile;
 pub mod statements;
 pub mod types;
 pub mod visibility;

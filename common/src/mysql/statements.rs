@@ -20,14 +20,14 @@ pub struct MySqlStatements {
 }
 
 impl MySqlStatements {
-    fn column(&self, name: &str) -> &SourceColumn {
+    pub(super) fn column(&self, name: &str) -> &SourceColumn {
         self.columns
             .iter()
             .find(|c| c.name == name)
             .expect("the task's columns are the table's")
     }
 
-    fn table(&self) -> String {
+    pub(super) fn table(&self) -> String {
         format!("{}.{}", quote_ident(&self.table.schema), quote_ident(&self.table.name))
     }
 
@@ -52,7 +52,7 @@ impl MySqlStatements {
     }
 
     /// A cursor time (an instant in microseconds) as a value comparable with the cursor column.
-    fn cursor_literal(&self, sql: &TableSql, micros: i64) -> String {
+    pub(super) fn cursor_literal(&self, sql: &TableSql, micros: i64) -> String {
         let utc = format!("(TIMESTAMP'1970-01-01 00:00:00' + INTERVAL {micros} MICROSECOND)");
         match (&sql.cursor_zone, self.cursor(sql).is_naive_time()) {
             (Some(zone), true) => format!("CONVERT_TZ({utc}, '+00:00', {})", quote_literal(zone)),
@@ -60,7 +60,7 @@ impl MySqlStatements {
         }
     }
 
-    fn version_expr(&self, sql: &TableSql) -> String {
+    pub(super) fn version_expr(&self, sql: &TableSql) -> String {
         match &sql.version_column {
             Some(column) => format!("CAST({} AS SIGNED)", quote_ident(column)),
             None => self.cursor_micros(sql),
@@ -83,7 +83,7 @@ impl MySqlStatements {
         })
     }
 
-    fn list(&self, sql: &TableSql, target_layout: bool) -> String {
+    pub(super) fn list(&self, sql: &TableSql, target_layout: bool) -> String {
         let mut list: Vec<String> = self.columns.iter().map(SourceColumn::text_expr).collect();
         list.push(self.version_expr(sql));
         if !target_layout {
@@ -95,7 +95,7 @@ impl MySqlStatements {
         list.join(", ")
     }
 
-    fn key_literal(&self, key: &KeyValue, column: &str) -> String {
+    pub(super) fn key_literal(&self, key: &KeyValue, column: &str) -> String {
         self.column(column).key_literal(&key.value)
     }
 
@@ -125,7 +125,7 @@ impl MySqlStatements {
             .collect()
     }
 
-    fn range_condition(&self, sql: &TableSql, range: &ShardRange) -> Vec<String> {
+    pub(super) fn range_condition(&self, sql: &TableSql, range: &ShardRange) -> Vec<String> {
         let first = &sql.key_columns[0];
         let mut conditions = Vec::new();
         if let Some(lo) = &range.lo {

@@ -19,6 +19,9 @@ pub struct Scope<'a> {
     /// Compare every column's content besides the version (drift at an equal version: a
     /// target row edited by hand, a backfill that kept the cursor, a corrupted value).
     pub content: bool,
+    /// Hash `(key, version)` the way another engine's source computes it too (see
+    /// `mysql::reconcile`): the first 60 bits of `md5(key chr(31) version)`. Versions only.
+    pub portable: bool,
 }
 
 impl TableSql {
@@ -92,13 +95,20 @@ impl TableSql {
             .map(|k| format!("{}::text", quote_ident(k)))
             .collect();
         parts.push(format!("({})::text", self.side_version(side)));
-        if scope.content {
+        if scope.content && !scope.portable {
             parts.push(self.row_text());
         }
+        let row_hash = if scope.portable {
+            format!(
+                "('x' || substr(md5(concat_ws(chr(31), {})), 1, 15))::bit(60)::bigint",
+                parts.join(", ")
+            )
+        } else {
+            format!("hashtextextended(concat_ws(chr(31), {}), 0)", parts.join(", "))
+        };
         format!(
-            "SELECT {bucket} AS bucket, count(*), coalesce(sum(hashtextextended(concat_ws(chr(31), {}), 0)::numeric), 0)::text \
+            "SELECT {bucket} AS bucket, count(*), coalesce(sum(({row_hash})::numeric), 0)::text \
              FROM {}{} GROUP BY 1 ORDER BY 1",
-            parts.join(", "),
             self.side_table(side),
             self.side_where(side, scope)
         )
