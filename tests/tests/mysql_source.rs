@@ -7,7 +7,7 @@
 //! PostgreSQL's) and compares every column and the version per key.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::Row;
 use tidemark_tests::mariadb::{MariaDb, MariaUser};
@@ -648,4 +648,224 @@ async fn reconciliation_finds_hard_deletes_with_a_hash_both_engines_share() {
         "content",
     ]);
     assert!(!ok && stderr.contains("reconciles versions only"), "{stderr}");
+}
+
+/// Whether a process is stopped (SIGSTOP): state `T` in /proc/PID/stat.
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+        .unwrap_or(false)
+}
+
+/// The batch protocol's invariants: every ledger batch registered with the same content,
+/// every committed batch in the ledger, and per shard the checkpoint version rising and the
+/// fence never going back.
+async fn protocol_breaches(cluster: &Cluster) -> Vec<String> {
+    let mut breaches = Vec::new();
+    let registry: BTreeMap<String, (String, String)> = sqlx::query("SELECT batch_id, content_hash, state FROM batches")
+        .fetch_all(&cluster.control.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
+        .collect();
+    let ledger: BTreeMap<String, String> = sqlx::query("SELECT batch_id, content_hash FROM tidemark_ledger")
+        .fetch_all(&cluster.target.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    for (batch, hash) in &ledger {
+        match registry.get(batch) {
+            Some((registered, _)) if registered == hash => {}
+            other => breaches.push(format!("ledger batch {batch} ({hash}) registered as {other:?}")),
+        }
+    }
+    for (batch, (_, state)) in &registry {
+        if state == "COMMITTED" && !ledger.contains_key(batch) {
+            let rows: i64 = sqlx::query_scalar("SELECT row_count FROM batches WHERE batch_id = $1")
+                .bind(batch)
+                .fetch_one(&cluster.control.pool)
+                .await
+                .unwrap();
+            if rows > 0 {
+                breaches.push(format!("committed batch {batch} is not in the ledger"));
+            }
+        }
+    }
+    let history: Vec<(i32, i64, i64)> =
+        sqlx::query_as("SELECT shard_id, version, fence FROM checkpoint_history ORDER BY shard_id, id")
+            .fetch_all(&cluster.control.pool)
+            .await
+            .unwrap();
+    for pair in history.windows(2) {
+        let ((s0, v0, f0), (s1, v1, f1)) = (pair[0], pair[1]);
+        if s0 == s1 && (v1 <= v0 || f1 < f0) {
+            breaches.push(format!("shard {s0}: version {v0} → {v1}, fence {f0} → {f1}"));
+        }
+    }
+    breaches
+}
+
+/// Small-scale chaos with a MariaDB source: a writer changes rows all along while workers are
+/// killed at random crash points, frozen past their lease (zombies, woken after their shards
+/// moved) and the source sessions are dropped. Then, per key, the target equals the source,
+/// and the batch protocol's invariants hold. CHAOS_SEED replays a run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_with_a_mariadb_source_converges_per_key() {
+    const POINTS: &[&str] = &[
+        "after_read",
+        "mid_data",
+        "after_stage",
+        "after_register",
+        "in_apply",
+        "after_apply",
+        "after_commit",
+    ];
+    let seed = std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| std::process::id() as u64);
+    eprintln!("mariadb chaos seed {seed}");
+    let mut rng = tidemark_tests::faults::Rng::new(seed);
+    let source = MariaDb::create("my_chaos").await;
+    let user = MariaUser::create(
+        &source,
+        "my_chaos",
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    source.exec(CREATE).await;
+    source.exec(&insert(1, 20_000)).await;
+    let mut cluster = Cluster::new("my_chaos").await;
+    cluster
+        .start(&TaskSettings {
+            page_size: 500,
+            ..settings(&source, &user)
+        })
+        .await;
+    let mut slots: Vec<usize> = (0..3)
+        .map(|i| cluster.spawn_worker(&format!("w{i}-g0"), 4, &[]))
+        .collect();
+
+    // The writer: updates of random rows and inserts, about 250 row changes a second.
+    let writer_pool = source.pool.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer_stop = stop.clone();
+    let writer = tokio::spawn(async move {
+        let mut next_id = 20_001i64;
+        let mut n = 0u64;
+        while !writer_stop.load(std::sync::atomic::Ordering::SeqCst) {
+            n += 1;
+            let first = (n * 7919) % 19_000 + 1;
+            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "UPDATE items SET amount = amount + 1, note = CONCAT('w', {n}) WHERE id BETWEEN {first} AND {}",
+                first + 4
+            )))
+            .execute(&writer_pool)
+            .await;
+            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(insert(next_id, next_id + 4)))
+                .execute(&writer_pool)
+                .await;
+            next_id += 5;
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+    });
+
+    let started = Instant::now();
+    let mut generation = 0;
+    let mut zombie: Option<(usize, Instant)> = None;
+    let (mut crashes, mut zombies, mut drops, mut woken) = (0, 0, 0, 0);
+    while started.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(rng.range(1500, 3500))).await;
+        // A frozen zombie is woken once its lease is long gone: its commit must be refused.
+        if let Some((slot, since)) = zombie {
+            let pid = cluster.workers[slots[slot]].child.id();
+            let stopped = is_stopped(pid);
+            if stopped && since.elapsed() > Duration::from_secs(8) {
+                cluster.workers[slots[slot]].signal("CONT");
+                zombie = None;
+                woken += 1;
+            } else if !stopped && since.elapsed() > Duration::from_secs(15) {
+                zombie = None;
+            }
+        }
+        generation += 1;
+        let slot = rng.range(0, slots.len() as u64) as usize;
+        if zombie.is_some_and(|(z, _)| z == slot) {
+            continue;
+        }
+        // The first episode is always a zombie; the rest are drawn.
+        let kind = if zombies == 0 { 6 } else { rng.range(0, 10) };
+        match kind {
+            0..=5 => {
+                cluster.workers[slots[slot]].kill9();
+                let point = POINTS[rng.range(0, POINTS.len() as u64) as usize];
+                let crash = format!("{point}:{}", rng.range(1, 4));
+                slots[slot] =
+                    cluster.spawn_worker(&format!("w{slot}-g{generation}"), 4, &[("TIDEMARK_CRASH_AT", &crash)]);
+                crashes += 1;
+            }
+            6..=7 if zombie.is_none() => {
+                cluster.workers[slots[slot]].kill9();
+                slots[slot] = cluster.spawn_worker(
+                    &format!("w{slot}-g{generation}"),
+                    4,
+                    &[("TIDEMARK_STOP_AT", "before_commit:2")],
+                );
+                zombie = Some((slot, Instant::now()));
+                zombies += 1;
+            }
+            _ => {
+                let sessions: Vec<i64> =
+                    sqlx::query_scalar("SELECT id FROM information_schema.processlist WHERE user = ?")
+                        .bind(&user.name)
+                        .fetch_all(&source.pool)
+                        .await
+                        .unwrap();
+                for id in sessions {
+                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
+                        .execute(&source.pool)
+                        .await;
+                }
+                drops += 1;
+            }
+        }
+        // Keep three workers alive: replace any that crashed at its point.
+        for (n, index) in slots.iter_mut().enumerate() {
+            if zombie.is_some_and(|(z, _)| z == n) {
+                continue;
+            }
+            if cluster.workers[*index].child.try_wait().unwrap().is_some() {
+                generation += 1;
+                *index = cluster.spawn_worker(&format!("w{n}-g{generation}"), 4, &[]);
+            }
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    writer.await.unwrap();
+    if let Some((slot, _)) = zombie {
+        cluster.workers[slots[slot]].signal("CONT");
+    }
+    // The last phase is fault-free: every slot runs a clean worker.
+    for (n, index) in slots.iter_mut().enumerate() {
+        cluster.workers[*index].kill9();
+        *index = cluster.spawn_worker(&format!("w{n}-final"), 4, &[]);
+    }
+    eprintln!(
+        "mariadb chaos: {crashes} crash points armed, {zombies} zombies ({woken} frozen and woken), {drops} session drops"
+    );
+    let end = mariadb_now(&source).await;
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    cluster.wait_for_watermark(end, Duration::from_secs(180)).await;
+    assert_converged(&source, &cluster.target, &[], &format!("mariadb chaos, seed {seed}")).await;
+    let breaches = protocol_breaches(&cluster).await;
+    assert!(breaches.is_empty(), "seed {seed}: {breaches:?}");
 }
