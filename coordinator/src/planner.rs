@@ -991,6 +991,21 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
     })
 }
 
+/// An integer key's domain between its extremes, and H0's largest key. An empty table
+/// snapshots nothing: every row it will hold arrives incrementally.
+fn integer_domain(sql_type: &str, min: Option<i64>, max: Option<i64>) -> (KeyDomain, Option<KeyValue>) {
+    let domain = KeyDomain::Integer {
+        sql_type: sql_type.to_string(),
+        min: min.unwrap_or(0),
+        max: max.unwrap_or(0),
+    };
+    let h0_max = KeyValue {
+        sql_type: sql_type.to_string(),
+        value: max.map_or_else(|| integer_minimum(sql_type).to_string(), |m| m.to_string()),
+    };
+    (domain, Some(h0_max))
+}
+
 /// The first key's domain (how shards split it) and H0's largest key, on PostgreSQL.
 async fn pg_key_domain(
     pool: &PgPool,
@@ -1023,17 +1038,7 @@ async fn pg_key_domain(
             // still open may add (see `id_tail`).
             max = settled_max_key(&source_info.pool, &SourceReads::Postgres, config, table).await?;
         }
-        let domain = KeyDomain::Integer {
-            sql_type: first_key_type.to_string(),
-            min: min.unwrap_or(0),
-            max: max.unwrap_or(0),
-        };
-        // An empty table snapshots nothing: every row it will hold arrives incrementally.
-        let h0_max = KeyValue {
-            sql_type: first_key_type.to_string(),
-            value: max.map_or_else(|| integer_minimum(first_key_type).to_string(), |m| m.to_string()),
-        };
-        (domain, Some(h0_max))
+        integer_domain(first_key_type, min, max)
     } else {
         // Other ordered types: boundaries at sampled quantiles (one sorted pass at planning).
         let fractions: Vec<String> = (1..config.shards)
@@ -1105,16 +1110,7 @@ async fn mysql_key_domain(
             });
             max = settled_max_key(&source_info.pool, &reads, config, table).await?;
         }
-        let domain = KeyDomain::Integer {
-            sql_type: first_key_type.to_string(),
-            min: min.unwrap_or(0),
-            max: max.unwrap_or(0),
-        };
-        let h0_max = KeyValue {
-            sql_type: first_key_type.to_string(),
-            value: max.map_or_else(|| integer_minimum(first_key_type).to_string(), |m| m.to_string()),
-        };
-        return Ok((domain, Some(h0_max)));
+        return Ok(integer_domain(first_key_type, min, max));
     }
     let (boundaries, max) = mysql::inspect::quantiles(pool, table, key, config.shards)
         .await

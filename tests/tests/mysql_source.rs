@@ -111,6 +111,22 @@ async fn mariadb_now(db: &MariaDb) -> i64 {
         .unwrap()
 }
 
+/// A MariaDB database and an account with the grants the README asks for: SELECT on the
+/// database and PROCESS for the open-transaction bound.
+async fn reader_source(tag: &str) -> (MariaDb, MariaUser) {
+    let source = MariaDb::create(tag).await;
+    let user = MariaUser::create(
+        &source,
+        tag,
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    (source, user)
+}
+
 fn settings(db: &MariaDb, user: &MariaUser) -> TaskSettings {
     TaskSettings {
         source_url: db.url_as(&user.name, &user.password),
@@ -124,16 +140,7 @@ fn settings(db: &MariaDb, user: &MariaUser) -> TaskSettings {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mariadb_table_syncs_to_postgres_per_key() {
-    let source = MariaDb::create("my_src").await;
-    let user = MariaUser::create(
-        &source,
-        "my_reader",
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
+    let (source, user) = reader_source("my_src").await;
     source.exec(CREATE).await;
     source.exec(&insert(1, 20_000)).await;
     // Values PostgreSQL cannot hold: a NUL byte in text, a zero date.
@@ -228,16 +235,7 @@ async fn an_account_without_process_is_refused_with_the_grant() {
 /// the read window and the watermark would not reach the writes: the wait times out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_keys_in_the_source_collation_and_a_local_datetime_cursor() {
-    let source = MariaDb::create("my_users").await;
-    let user = MariaUser::create(
-        &source,
-        "my_users",
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
+    let (source, user) = reader_source("my_users").await;
     source
         .exec(
             "CREATE TABLE users (
@@ -332,16 +330,7 @@ async fn assert_users_converged(source: &MariaDb, target: &TestDb, context: &str
 /// bound no open transaction can still add a key under.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_auto_increment_table_appends() {
-    let source = MariaDb::create("my_events").await;
-    let user = MariaUser::create(
-        &source,
-        "my_events",
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
+    let (source, user) = reader_source("my_events").await;
     source
         .exec("CREATE TABLE events (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, payload VARCHAR(50) NOT NULL)")
         .await;
@@ -397,16 +386,7 @@ async fn an_auto_increment_table_appends() {
 /// the task pauses by name instead of reading every change hours late.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_datetime_cursor_in_another_zone_pauses_by_name() {
-    let source = MariaDb::create("my_zone").await;
-    let user = MariaUser::create(
-        &source,
-        "my_zone",
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
+    let (source, user) = reader_source("my_zone").await;
     source
         .exec("CREATE TABLE items (id BIGINT NOT NULL PRIMARY KEY, changed DATETIME(6) NOT NULL, KEY (changed, id))")
         .await;
@@ -439,16 +419,7 @@ async fn a_datetime_cursor_in_another_zone_pauses_by_name() {
 /// the reconnects converge per key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_and_dropped_source_sessions_converge_per_key() {
-    let source = MariaDb::create("my_crash").await;
-    let user = MariaUser::create(
-        &source,
-        "my_crash",
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
+    let (source, user) = reader_source("my_crash").await;
     source.exec(CREATE).await;
     source.exec(&insert(1, 30_000)).await;
     let mut cluster = Cluster::new("my_crash").await;
@@ -499,16 +470,7 @@ async fn a_killed_worker_and_dropped_source_sessions_converge_per_key() {
 /// own JSON_TABLE over the source.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_003_accumulate_from_mariadb_counts_each_row_once() {
-    let source = MariaDb::create("my_acc").await;
-    let user = MariaUser::create(
-        &source,
-        "my_acc",
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
+    let (source, user) = reader_source("my_acc").await;
     source
         .exec("CREATE TABLE events (id BIGINT NOT NULL PRIMARY KEY, type INT NOT NULL, event TEXT)")
         .await;
@@ -588,16 +550,7 @@ async fn seed_003_accumulate_from_mariadb_counts_each_row_once() {
 /// source, 10 deleted and 10 set back to an older version in the target.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconciliation_finds_hard_deletes_with_a_hash_both_engines_share() {
-    let source = MariaDb::create("my_rec").await;
-    let user = MariaUser::create(
-        &source,
-        "my_rec",
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
+    let (source, user) = reader_source("my_rec").await;
     source.exec(CREATE).await;
     source.exec(&insert(1, 6000)).await;
     let mut cluster = Cluster::new("my_rec").await;
@@ -730,16 +683,7 @@ async fn chaos_with_a_mariadb_source_converges_per_key() {
         .unwrap_or_else(|| std::process::id() as u64);
     eprintln!("mariadb chaos seed {seed}");
     let mut rng = tidemark_tests::faults::Rng::new(seed);
-    let source = MariaDb::create("my_chaos").await;
-    let user = MariaUser::create(
-        &source,
-        "my_chaos",
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
+    let (source, user) = reader_source("my_chaos").await;
     source.exec(CREATE).await;
     source.exec(&insert(1, 20_000)).await;
     let mut cluster = Cluster::new("my_chaos").await;
