@@ -813,3 +813,84 @@ async fn chaos_with_a_mariadb_source_converges_per_key() {
     let breaches = protocol_breaches(&cluster).await;
     assert!(breaches.is_empty(), "seed {seed}: {breaches:?}");
 }
+
+/// The rest of the README's type table, per key, each side rendered by its own engine:
+/// FLOAT, DOUBLE, BIT, YEAR, TIME (as an interval, negative too), SET, MariaDB's UUID, INET4
+/// and INET6, unsigned integers, CHAR, VARBINARY, BLOB, DATE. A TINYINT(1) holding 5 is no
+/// boolean: a dead letter naming its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_type_table_holds_for_every_listed_type() {
+    let (source, user) = reader_source("my_types").await;
+    source
+        .exec(
+            "CREATE TABLE items (
+                id BIGINT NOT NULL PRIMARY KEY,
+                f FLOAT, d DOUBLE, b BIT(5), y YEAR, t TIME(6), s SET('a','b','c'), u UUID,
+                i6 INET6, i4 INET4, mu MEDIUMINT UNSIGNED, su SMALLINT UNSIGNED, iu INT UNSIGNED,
+                ch CHAR(5), vb VARBINARY(10), bl BLOB, dt DATE, flag TINYINT(1),
+                updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+                KEY (updated_at, id)
+            )",
+        )
+        .await;
+    source
+        .exec(
+            "INSERT INTO items (id, f, d, b, y, t, s, u, i6, i4, mu, su, iu, ch, vb, bl, dt, flag)
+             SELECT seq, seq / 4, seq / 8, seq % 32, 1990 + seq % 50, SEC_TO_TIME((CAST(seq AS SIGNED) - 500) * 37.25),
+                    ELT(1 + seq % 4, 'a', 'a,c', 'b,c', ''), UUID(), CONCAT('2001:db8::', HEX(seq)),
+                    CONCAT('10.0.', seq % 256, '.', seq % 200), 16777215 - seq, 65535 - seq, 4294967295 - seq,
+                    LEFT(CONCAT('c', seq), 5), UNHEX(HEX(seq)), REPEAT(CHAR(seq % 256), 3),
+                    DATE'2020-02-29' + INTERVAL seq DAY, seq % 2
+             FROM seq_1_to_1000",
+        )
+        .await;
+    source.exec("UPDATE items SET flag = 5 WHERE id = 42").await;
+    let mut cluster = Cluster::new("my_types").await;
+    cluster.start(&settings(&source, &user)).await;
+    cluster.spawn_worker("a", 4, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(120), |t| t.snapshot_complete)
+        .await;
+    let mut expected: BTreeMap<i64, String> = sqlx::query(
+        "SELECT id, CONCAT_WS('|', CAST(f AS CHAR), CAST(d AS CHAR), LPAD(BIN(b), 5, '0'), CAST(y AS CHAR), \
+         CAST(TIME_TO_SEC(t) AS DECIMAL(20,6)), CAST(s AS CHAR), CAST(u AS CHAR), CAST(i6 AS CHAR), CAST(i4 AS CHAR), \
+         CAST(mu AS CHAR), CAST(su AS CHAR), CAST(iu AS CHAR), ch, LOWER(HEX(vb)), LOWER(HEX(bl)), CAST(dt AS CHAR), \
+         IF(flag, 't', 'f')) FROM items",
+    )
+    .fetch_all(&source.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|row| (row.get(0), row.get(1)))
+    .collect();
+    let actual: BTreeMap<i64, String> = sqlx::query(
+        "SELECT id, concat_ws('|', f::text, d::text, b::text, y::text, extract(epoch from t)::numeric(20,6)::text, s, \
+         u::text, host(i6), host(i4), mu::text, su::text, iu::text, ch::text, encode(vb, 'hex'), encode(bl, 'hex'), \
+         dt::text, CASE WHEN flag THEN 't' ELSE 'f' END) FROM items",
+    )
+    .fetch_all(&cluster.target.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|row| (row.get(0), row.get(1)))
+    .collect();
+    expected.remove(&42);
+    let differing: Vec<(i64, Option<&String>, Option<&String>)> = expected
+        .keys()
+        .chain(actual.keys())
+        .filter(|k| expected.get(*k) != actual.get(*k))
+        .take(3)
+        .map(|k| (*k, expected.get(k), actual.get(k)))
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "{} vs {} keys, e.g. {differing:?}",
+        expected.len(),
+        actual.len()
+    );
+    let letter: String = sqlx::query_scalar("SELECT message FROM tidemark_dead_letters WHERE task = 'items'")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert!(letter.contains("boolean"), "{letter}");
+}
