@@ -894,3 +894,33 @@ async fn the_type_table_holds_for_every_listed_type() {
         .unwrap();
     assert!(letter.contains("boolean"), "{letter}");
 }
+
+/// A source statement killed mid-way (`KILL QUERY`, as an operator or a watchdog does:
+/// error 1317) is a transient error, retried without counting toward `max_batch_failures`
+/// (before, it counted as persistent, and five in a row paused the task).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_source_statement_is_a_transient_error() {
+    let (source, user) = reader_source("my_kill").await;
+    let pool = tidemark_common::mysql::pool(&source.url_as(&user.name, &user.password), 1).unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let killer = source.pool.clone();
+    let kill = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL QUERY {id}")))
+            .execute(&killer)
+            .await
+            .unwrap();
+    });
+    let error = sqlx::query("SELECT SLEEP(10)").fetch_one(&mut *conn).await;
+    kill.await.unwrap();
+    // SLEEP returns 1 when interrupted; the next statement on the killed session fails.
+    let error = match error {
+        Err(error) => error,
+        Ok(_) => sqlx::query("SELECT 1").fetch_one(&mut *conn).await.unwrap_err(),
+    };
+    assert!(tidemark_common::mysql::is_transient(&error), "{error:?}");
+}

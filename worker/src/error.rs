@@ -43,7 +43,9 @@ impl WorkerError {
         match self {
             WorkerError::Database(error) => {
                 let lock_timeout = matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"));
-                !tidemark_common::pg::is_transient(error) && !lock_timeout
+                !tidemark_common::pg::is_transient(error)
+                    && !tidemark_common::mysql::is_transient(error)
+                    && !lock_timeout
             }
             WorkerError::Data(_)
             | WorkerError::Verify(_)

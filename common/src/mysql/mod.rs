@@ -95,22 +95,17 @@ pub async fn source_now_micros(pool: &MySqlPool) -> Result<i64, sqlx::Error> {
         .await
 }
 
-/// Whether a driver error is worth retrying (the server is unreachable or restarting).
+/// Whether a driver error is worth retrying: the server is unreachable, restarting or
+/// shutting down, the session was killed, a lock wait timed out or a deadlock was broken,
+/// or the server has no connection left. Only MySQL server errors match the error numbers.
 pub fn is_transient(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Tls(_) => true,
-        // Deadlock, lock wait timeout, server shutting down, too many connections.
-        sqlx::Error::Database(db) => {
-            let message = db.message();
-            [
-                "Deadlock found",
-                "Lock wait timeout",
-                "shutdown in progress",
-                "Too many connections",
-            ]
-            .iter()
-            .any(|m| message.contains(m))
-        }
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            // ER_CON_COUNT_ERROR, ER_SERVER_SHUTDOWN, ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK,
+            // ER_QUERY_INTERRUPTED, ER_CONNECTION_KILLED
+            .is_some_and(|e| matches!(e.number(), 1040 | 1053 | 1205 | 1213 | 1317 | 1927)),
         _ => false,
     }
 }
