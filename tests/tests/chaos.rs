@@ -214,6 +214,19 @@ fn progress(cursor: &Cursor) -> (u8, i64) {
 /// Invariants from the control database and the target ledger; returns the breaches.
 async fn check_invariants(control: &PgPool, target: &PgPool) -> Vec<String> {
     let mut breaches = Vec::new();
+    // Workers still run overlap re-reads while this reads, so the order matters: a batch is
+    // registered, then applied (ledger), then committed. Committed batches are read before
+    // the ledger, the registry after it; read otherwise, a batch moving on in between looks
+    // like a breach.
+    let committed_not_applied: Vec<String> =
+        sqlx::query_scalar("SELECT batch_id FROM batches WHERE state = 'COMMITTED' AND row_count > 0")
+            .fetch_all(control)
+            .await
+            .unwrap();
+    let ledger = sqlx::query("SELECT batch_id, content_hash FROM tidemark_ledger")
+        .fetch_all(target)
+        .await
+        .unwrap();
     let registry: HashMap<String, String> = sqlx::query("SELECT batch_id, content_hash FROM batches")
         .fetch_all(control)
         .await
@@ -221,10 +234,6 @@ async fn check_invariants(control: &PgPool, target: &PgPool) -> Vec<String> {
         .into_iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    let ledger = sqlx::query("SELECT batch_id, content_hash FROM tidemark_ledger")
-        .fetch_all(target)
-        .await
-        .unwrap();
     for row in &ledger {
         let (batch_id, hash): (String, String) = (row.get(0), row.get(1));
         match registry.get(&batch_id) {
@@ -235,11 +244,6 @@ async fn check_invariants(control: &PgPool, target: &PgPool) -> Vec<String> {
             Some(_) => {}
         }
     }
-    let committed_not_applied: Vec<String> =
-        sqlx::query_scalar("SELECT batch_id FROM batches WHERE state = 'COMMITTED' AND row_count > 0")
-            .fetch_all(control)
-            .await
-            .unwrap();
     let applied: HashSet<String> = ledger.iter().map(|r| r.get::<String, _>(0)).collect();
     for batch_id in committed_not_applied.iter().filter(|id| !applied.contains(*id)) {
         breaches.push(format!("committed batch {batch_id} is not in the target ledger"));

@@ -616,13 +616,13 @@ fn is_stopped(pid: u32) -> bool {
 /// fence never going back.
 async fn protocol_breaches(cluster: &Cluster) -> Vec<String> {
     let mut breaches = Vec::new();
-    let registry: BTreeMap<String, (String, String)> = sqlx::query("SELECT batch_id, content_hash, state FROM batches")
-        .fetch_all(&cluster.control.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| (r.get(0), (r.get(1), r.get(2))))
-        .collect();
+    // A batch is registered, applied (ledger), then committed, and workers still run: read
+    // the committed batches before the ledger and the registry after it.
+    let committed: Vec<(String, i64)> =
+        sqlx::query_as("SELECT batch_id, row_count FROM batches WHERE state = 'COMMITTED'")
+            .fetch_all(&cluster.control.pool)
+            .await
+            .unwrap();
     let ledger: BTreeMap<String, String> = sqlx::query("SELECT batch_id, content_hash FROM tidemark_ledger")
         .fetch_all(&cluster.target.pool)
         .await
@@ -630,22 +630,22 @@ async fn protocol_breaches(cluster: &Cluster) -> Vec<String> {
         .into_iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
+    let registry: BTreeMap<String, String> = sqlx::query("SELECT batch_id, content_hash FROM batches")
+        .fetch_all(&cluster.control.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
     for (batch, hash) in &ledger {
         match registry.get(batch) {
-            Some((registered, _)) if registered == hash => {}
+            Some(registered) if registered == hash => {}
             other => breaches.push(format!("ledger batch {batch} ({hash}) registered as {other:?}")),
         }
     }
-    for (batch, (_, state)) in &registry {
-        if state == "COMMITTED" && !ledger.contains_key(batch) {
-            let rows: i64 = sqlx::query_scalar("SELECT row_count FROM batches WHERE batch_id = $1")
-                .bind(batch)
-                .fetch_one(&cluster.control.pool)
-                .await
-                .unwrap();
-            if rows > 0 {
-                breaches.push(format!("committed batch {batch} is not in the ledger"));
-            }
+    for (batch, rows) in &committed {
+        if *rows > 0 && !ledger.contains_key(batch) {
+            breaches.push(format!("committed batch {batch} is not in the ledger"));
         }
     }
     let history: Vec<(i32, i64, i64)> =
