@@ -111,6 +111,24 @@ async fn mariadb_now(db: &MariaDb) -> i64 {
         .unwrap()
 }
 
+/// Two-column rows as a map from the first to the second, on either engine.
+async fn pairs<DB, K, V>(pool: &sqlx::Pool<DB>, sql: &'static str) -> BTreeMap<K, V>
+where
+    DB: sqlx::Database,
+    K: Ord + Send + Unpin,
+    V: Send + Unpin,
+    (K, V): for<'r> sqlx::FromRow<'r, DB::Row>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+{
+    sqlx::query_as::<DB, (K, V)>(sql)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
 /// A MariaDB database and an account with the grants the README asks for: SELECT on the
 /// database and PROCESS for the open-transaction bound.
 async fn reader_source(tag: &str) -> (MariaDb, MariaUser) {
@@ -158,14 +176,11 @@ async fn a_mariadb_table_syncs_to_postgres_per_key() {
         .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
         .await;
     assert_converged(&source, &cluster.target, &[77, 78], "after the snapshot").await;
-    let letters: BTreeMap<String, String> =
-        sqlx::query("SELECT key, message FROM tidemark_dead_letters WHERE task = 'items'")
-            .fetch_all(&cluster.target.pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|row| (row.get(0), row.get(1)))
-            .collect();
+    let letters: BTreeMap<String, String> = pairs(
+        &cluster.target.pool,
+        "SELECT key, message FROM tidemark_dead_letters WHERE task = 'items'",
+    )
+    .await;
     let keys: Vec<&String> = letters.keys().collect();
     assert_eq!(keys.len(), 2, "dead letters: {letters:?}");
     assert!(
@@ -356,13 +371,7 @@ async fn an_auto_increment_table_appends() {
     source
         .exec("INSERT INTO events (payload) SELECT CONCAT('later ', seq) FROM seq_1_to_2000")
         .await;
-    let expected: BTreeMap<i64, String> = sqlx::query("SELECT id, payload FROM events")
-        .fetch_all(&source.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect();
+    let expected: BTreeMap<i64, String> = pairs(&source.pool, "SELECT id, payload FROM events").await;
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let actual: BTreeMap<i64, String> = sqlx::query("SELECT id, payload FROM events")
@@ -508,16 +517,8 @@ async fn seed_003_accumulate_from_mariadb_counts_each_row_once() {
     );
     cluster.spawn_worker("b", 4, &[]);
     source.exec(&insert(8001, 9000)).await;
-    let expected: BTreeMap<String, i64> = sqlx::query(
-        "SELECT jt.name, COUNT(*) FROM events, JSON_TABLE(event, '$.apps[*]' COLUMNS (name VARCHAR(50) PATH '$.name')) jt \
-         WHERE type = 5 GROUP BY jt.name",
-    )
-    .fetch_all(&source.pool)
-    .await
-    .unwrap()
-    .into_iter()
-    .map(|row| (row.get(0), row.get(1)))
-    .collect();
+    let expected: BTreeMap<String, i64> = pairs(&source.pool, "SELECT jt.name, COUNT(*) FROM events, JSON_TABLE(event, '$.apps[*]' COLUMNS (name VARCHAR(50) PATH '$.name')) jt \
+         WHERE type = 5 GROUP BY jt.name").await;
     assert_eq!(expected.len(), 13);
     let deadline = std::time::Instant::now() + Duration::from_secs(90);
     loop {
@@ -531,13 +532,8 @@ async fn seed_003_accumulate_from_mariadb_counts_each_row_once() {
         if actual == expected {
             // Settled: more rounds of reads and replays must not add to any count.
             tokio::time::sleep(Duration::from_secs(3)).await;
-            let again: BTreeMap<String, i64> = sqlx::query("SELECT app_name::text, app_count FROM app_stat")
-                .fetch_all(&cluster.target.pool)
-                .await
-                .unwrap()
-                .into_iter()
-                .map(|row| (row.get(0), row.get(1)))
-                .collect();
+            let again: BTreeMap<String, i64> =
+                pairs(&cluster.target.pool, "SELECT app_name::text, app_count FROM app_stat").await;
             assert_eq!(again, expected, "counts changed after they were exact");
             break;
         }
@@ -856,29 +852,21 @@ async fn the_type_table_holds_for_every_listed_type() {
     cluster
         .wait_for("snapshot complete", Duration::from_secs(120), |t| t.snapshot_complete)
         .await;
-    let mut expected: BTreeMap<i64, String> = sqlx::query(
+    let mut expected: BTreeMap<i64, String> = pairs(
+        &source.pool,
         "SELECT id, CONCAT_WS('|', CAST(f AS CHAR), CAST(d AS CHAR), LPAD(BIN(b), 5, '0'), CAST(y AS CHAR), \
          CAST(TIME_TO_SEC(t) AS DECIMAL(20,6)), CAST(s AS CHAR), CAST(u AS CHAR), CAST(i6 AS CHAR), CAST(i4 AS CHAR), \
          CAST(mu AS CHAR), CAST(su AS CHAR), CAST(iu AS CHAR), ch, LOWER(HEX(vb)), LOWER(HEX(bl)), CAST(dt AS CHAR), \
          IF(flag, 't', 'f')) FROM items",
     )
-    .fetch_all(&source.pool)
-    .await
-    .unwrap()
-    .into_iter()
-    .map(|row| (row.get(0), row.get(1)))
-    .collect();
-    let actual: BTreeMap<i64, String> = sqlx::query(
+    .await;
+    let actual: BTreeMap<i64, String> = pairs(
+        &cluster.target.pool,
         "SELECT id, concat_ws('|', f::text, d::text, b::text, y::text, extract(epoch from t)::numeric(20,6)::text, s, \
          u::text, host(i6), host(i4), mu::text, su::text, iu::text, ch::text, encode(vb, 'hex'), encode(bl, 'hex'), \
          dt::text, CASE WHEN flag THEN 't' ELSE 'f' END) FROM items",
     )
-    .fetch_all(&cluster.target.pool)
-    .await
-    .unwrap()
-    .into_iter()
-    .map(|row| (row.get(0), row.get(1)))
-    .collect();
+    .await;
     expected.remove(&42);
     let differing: Vec<(i64, Option<&String>, Option<&String>)> = expected
         .keys()
