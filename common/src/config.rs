@@ -409,8 +409,21 @@ impl Config {
         Ok(config)
     }
 
-    /// A MySQL table is `database.table`; a bare `table` is in the source URL's database.
+    /// A MySQL table is `database.table`; a bare `table` is in the URL's database.
     fn resolve_source_tables(&mut self, path: &str) -> Result<(), ConfigError> {
+        for task in &mut self.tasks {
+            if !crate::mysql::is_mysql_url(&task.target) || task.target_table.contains('.') {
+                continue;
+            }
+            let database = crate::mysql::url_database(&task.target).ok_or_else(|| ConfigError::Invalid {
+                path: path.to_string(),
+                message: format!(
+                    "task {}: target_table {:?} names no database and the target URL has none: write `database.table`",
+                    task.name, task.target_table
+                ),
+            })?;
+            task.target_table = format!("{database}.{}", task.target_table);
+        }
         for task in &mut self.tasks {
             if !crate::mysql::is_mysql_url(&task.source) || task.source_table.contains('.') {
                 continue;
@@ -494,10 +507,22 @@ impl Config {
             }
             crate::source::SourceEngine::of_url(&task.source)
                 .map_err(|e| invalid(format!("task {name}: source: {e}")))?;
+            crate::source::SourceEngine::of_url(&task.target)
+                .map_err(|e| invalid(format!("task {name}: target: {e}")))?;
             if crate::mysql::is_mysql_url(&task.target) {
-                return Err(invalid(format!(
-                    "task {name}: a MySQL/MariaDB target is not supported yet; the target must be postgres://"
-                )));
+                let unsupported = if task.delete_policy.is_some() {
+                    Some("a delete_policy")
+                } else if task.reconcile_every.is_some() {
+                    Some("reconcile_every")
+                } else {
+                    None
+                };
+                if let Some(feature) = unsupported {
+                    return Err(invalid(format!(
+                        "task {name}: {feature} is not supported on a MySQL/MariaDB target yet (supported: upsert, \
+                         append and accumulate modes, with dead letters)"
+                    )));
+                }
             }
             if crate::mysql::is_mysql_url(&task.source) {
                 let unsupported = match (&task.delete_policy, &task.version) {

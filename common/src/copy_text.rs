@@ -16,6 +16,16 @@ pub fn raw_field(row: &[u8], index: usize) -> Option<&[u8]> {
 
 /// Decodes one field: `None` for SQL NULL, otherwise the unescaped text.
 pub fn decode_field(raw: &[u8]) -> Result<Option<String>, String> {
+    match decode_bytes(raw)? {
+        None => Ok(None),
+        Some(bytes) => String::from_utf8(bytes)
+            .map(Some)
+            .map_err(|_| "COPY field is not valid UTF-8".into()),
+    }
+}
+
+/// [`decode_field`] without the UTF-8 check: the field's bytes.
+pub fn decode_bytes(raw: &[u8]) -> Result<Option<Vec<u8>>, String> {
     if raw == b"\\N" {
         return Ok(None);
     }
@@ -62,9 +72,7 @@ pub fn decode_field(raw: &[u8]) -> Result<Option<String>, String> {
             other => out.push(other),
         }
     }
-    String::from_utf8(out)
-        .map(Some)
-        .map_err(|_| "COPY field is not valid UTF-8".into())
+    Ok(Some(out))
 }
 
 /// Encodes one field for a COPY text stream: backslash, tab, newline and carriage return

@@ -164,6 +164,9 @@ pub fn row_error_class(error: &sqlx::Error) -> Option<String> {
     let sqlx::Error::Database(db) = error else {
         return None;
     };
+    if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return crate::mysql::target::row_error_class(mysql.number()).map(str::to_string);
+    }
     let code = db.code()?;
     let name = match code.as_ref() {
         "22001" => "string_data_right_truncation",

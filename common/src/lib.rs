@@ -19,6 +19,7 @@ pub mod pg;
 pub mod redact;
 pub mod source;
 pub mod staging;
+pub mod target;
 pub mod telemetry;
 pub mod tls;
 pub mod transform;

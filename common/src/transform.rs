@@ -94,7 +94,7 @@ pub struct RowError {
 }
 
 impl RowError {
-    fn new(class: &str, message: impl Into<String>) -> RowError {
+    pub fn new(class: &str, message: impl Into<String>) -> RowError {
         RowError {
             class: class.to_string(),
             message: message.into(),

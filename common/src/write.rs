@@ -7,7 +7,28 @@ use sqlx::PgConnection;
 use crate::dead_letters::Layout;
 use crate::pg::accumulate::AccumulateSql;
 use crate::pg::{Read, TableSql};
-use crate::transform::Deltas;
+use crate::transform::{Deltas, RowError};
+
+/// Why a write failed: the database refused it, or (before it reached the database) a row
+/// could not be rendered for the target.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("{0}")]
+    Database(#[from] sqlx::Error),
+    #[error("{}: {}", .0.class, .0.message)]
+    Row(RowError),
+}
+
+impl WriteError {
+    /// The row error this is (a value the target refuses, a row that cannot be rendered), or
+    /// `None` when it is not about a row.
+    pub fn row_error(&self) -> Option<RowError> {
+        match self {
+            WriteError::Database(error) => crate::dead_letters::as_row_error(error),
+            WriteError::Row(error) => Some(error.clone()),
+        }
+    }
+}
 
 /// Copies a COPY stream (in `layout`) into the session's stage table and applies them with the
 /// versioned upsert (and tombstones). `overlap = (floor, high)`: first report the lateness of

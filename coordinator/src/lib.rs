@@ -15,4 +15,5 @@ pub mod reconcile_runs;
 pub mod service;
 pub mod source_install;
 pub mod status;
+pub mod target_mysql;
 pub mod watcher;

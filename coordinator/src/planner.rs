@@ -24,6 +24,7 @@ use tidemark_common::pg::{
 };
 use tidemark_common::redact::redact_url;
 use tidemark_common::source::{SourceEngine, SourcePool, SourceReads};
+use tidemark_common::target::TargetPool;
 
 use crate::checkpoints::{ControlDb, EpochPlan, EpochRecord};
 use crate::error::CoordinatorError;
@@ -565,7 +566,6 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
             "cursor_time_zone differs from the zone the epoch froze; `tasks reinit` applies it");
     }
     let frozen_columns = epoch_columns(task, &epoch)?;
-    let target = connect_database(task, "target", &config.target).await?;
     let sql = TableSql {
         source: source.table,
         target: target_table.clone(),
@@ -578,15 +578,22 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         page_format: CopyFormat::Text,
         cursor_zone: None,
     };
-    ensure_target(&target, config, &sql, &not_null).await?;
-    let target_epoch: Option<i64> = sqlx::query_scalar(pg::TARGET_EPOCH_NOW)
-        .bind(task)
-        .fetch_optional(&target)
-        .await
-        .map_err(|e| setup(format!("reading the task's epoch in the target: {e}")))?;
-    target.close().await;
+    let target_epoch = match SourceEngine::of_url(&config.target).map_err(&setup)? {
+        SourceEngine::Postgres => {
+            let target = connect_database(task, "target", &config.target).await?;
+            ensure_target(&target, config, &sql, &not_null).await?;
+            let target_epoch: Option<i64> = sqlx::query_scalar(pg::TARGET_EPOCH_NOW)
+                .bind(task)
+                .fetch_optional(&target)
+                .await
+                .map_err(|e| setup(format!("reading the task's epoch in the target: {e}")))?;
+            target.close().await;
+            target_epoch.map(|e| e as u64)
+        }
+        SourceEngine::MySql => crate::target_mysql::prepare(config, &sql, &not_null, epoch.epoch).await?,
+    };
     if let Some(target_epoch) = target_epoch
-        && target_epoch as u64 > epoch.epoch
+        && target_epoch > epoch.epoch
     {
         return Err(setup(format!(
             "the target holds epoch {target_epoch} of this task, ahead of the control database's epoch {} (a new or \
@@ -662,13 +669,19 @@ pub fn table_sql(task: &PreparedTask) -> Result<TableSql, CoordinatorError> {
 }
 
 /// A pool on the task's target that connects on first use (status counts, dead letters).
-pub fn lazy_target_pool(config: &TaskConfig) -> Result<PgPool, CoordinatorError> {
-    let options = connect_options(&config.target, "tidemark-coordinator")
-        .map_err(|e| CoordinatorError::task_setup(&config.name, format!("target URL: {e}")))?;
-    Ok(PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_lazy_with(options))
+pub fn lazy_target_pool(config: &TaskConfig) -> Result<TargetPool, CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+    if SourceEngine::of_url(&config.target).map_err(&setup)? == SourceEngine::MySql {
+        return Ok(TargetPool::MySql(crate::target_mysql::pool(config)?));
+    }
+    let options =
+        connect_options(&config.target, "tidemark-coordinator").map_err(|e| setup(format!("target URL: {e}")))?;
+    Ok(TargetPool::Postgres(
+        PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(options),
+    ))
 }
 
 /// The columns an epoch froze.
@@ -746,7 +759,6 @@ pub async fn reinit_task(
     let not_null: Vec<bool> = source.columns.iter().map(|c| c.not_null).collect();
     let plan = plan_epoch(&source, config, current.epoch + 1).await?;
     source.pool.close().await;
-    let target = connect_database(task, "target", &config.target).await?;
     let sql = TableSql {
         source: source.table,
         target: TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?,
@@ -764,6 +776,17 @@ pub async fn reinit_task(
         target_changes: Vec::new(),
         target_differences: Vec::new(),
     };
+    if SourceEngine::of_url(&config.target).map_err(&setup)? == SourceEngine::MySql {
+        if alter_target {
+            return Err(setup(
+                "--alter-target is not supported on a MySQL/MariaDB target yet: alter the table by hand, then reinit"
+                    .into(),
+            ));
+        }
+        crate::target_mysql::reinit(config, &sql, &not_null, plan.epoch).await?;
+        return switch_to(control, task, &plan, reinit).await;
+    }
+    let target = connect_database(task, "target", &config.target).await?;
     // An accumulate task's target is its summary table, not a copy of the source's columns.
     if config.accumulate_spec().map_err(&setup)?.is_none()
         && let Some(existing) = introspect(&target, task, "target", &sql.target).await?
@@ -801,7 +824,18 @@ pub async fn reinit_task(
     ensure_target(&target, config, &sql, &not_null).await?;
     fence_target_epoch(&target, config, &sql, plan.epoch).await?;
     target.close().await;
-    if !control.switch_epoch(&plan).await? {
+    switch_to(control, task, &plan, reinit).await
+}
+
+/// Switches the control database to the planned epoch, once the target refuses older ones.
+async fn switch_to(
+    control: &ControlDb,
+    task: &str,
+    plan: &EpochPlan,
+    reinit: Reinit,
+) -> Result<Reinit, CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    if !control.switch_epoch(plan).await? {
         return Err(setup(format!(
             "epoch {} already exists: another reinitialization won",
             plan.epoch

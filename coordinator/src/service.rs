@@ -22,6 +22,7 @@ use crate::operations::{request_merge, request_move, request_split};
 use crate::planner::PreparedTask;
 use crate::planner::{delete_spec, epoch_columns, reinit_task, source_now_micros};
 use crate::reconcile_runs::ShardReconcile;
+use tidemark_common::target::TargetPool;
 use tidemark_common::telemetry::join_trace;
 use tracing::Instrument;
 
@@ -30,7 +31,7 @@ pub struct Coordinator {
     pub leases: Leases,
     pub tasks: HashMap<String, PreparedTask>,
     /// Each task's target, connected on first use (dead-letter counts and handling).
-    pub targets: HashMap<String, sqlx::PgPool>,
+    pub targets: HashMap<String, TargetPool>,
     pub staging_url: String,
     pub leadership: Leadership,
     /// This replica's address, as clients reach it.
@@ -56,7 +57,7 @@ impl CoordinatorService {
             .ok_or_else(|| CoordinatorError::UnknownTask(name.to_string()))
     }
 
-    fn target(&self, name: &str) -> Result<&sqlx::PgPool, CoordinatorError> {
+    fn target_pool(&self, name: &str) -> Result<&TargetPool, CoordinatorError> {
         self.task(name)?;
         self.inner
             .targets
@@ -64,17 +65,27 @@ impl CoordinatorService {
             .ok_or_else(|| CoordinatorError::UnknownTask(name.to_string()))
     }
 
+    /// A PostgreSQL target, for the dead-letter commands (not offered on MySQL targets yet).
+    fn target(&self, name: &str) -> Result<&sqlx::PgPool, CoordinatorError> {
+        self.target_pool(name)?
+            .postgres("the dead-letter commands (list, retry, resolve, purge)")
+            .map_err(|e| {
+                CoordinatorError::InvalidRequest(format!("task {name}: {e}; read tidemark_dead_letters in the target"))
+            })
+    }
+
     /// Dead letters per status, or a warning when the target does not answer in time.
     async fn dead_letter_counts(&self, task: &str) -> Result<HashMap<String, u64>, String> {
-        let Ok(target) = self.target(task) else {
+        let Ok(target) = self.target_pool(task) else {
             return Ok(HashMap::new());
         };
-        match tokio::time::timeout(
-            std::time::Duration::from_secs(3),
-            crate::dead_letters::counts(target, task),
-        )
-        .await
-        {
+        let counts = async {
+            match target {
+                TargetPool::Postgres(pool) => crate::dead_letters::counts(pool, task).await,
+                TargetPool::MySql(pool) => crate::target_mysql::dead_letter_counts(pool, task).await,
+            }
+        };
+        match tokio::time::timeout(std::time::Duration::from_secs(3), counts).await {
             Ok(Ok(counts)) => Ok(counts.into_iter().collect()),
             Ok(Err(error)) => Err(format!("dead letters unknown: the target did not answer ({error})")),
             Err(_) => Err("dead letters unknown: the target did not answer within 3s".to_string()),

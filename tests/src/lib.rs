@@ -390,6 +390,8 @@ pub struct TaskSettings {
     pub source_url: String,
     /// The staging URL; empty: a `file://` directory of the cluster's.
     pub staging_url: String,
+    /// The task's target URL; empty: the cluster's target database.
+    pub target_url: String,
 }
 
 impl Default for TaskSettings {
@@ -412,6 +414,7 @@ impl Default for TaskSettings {
             target_table: String::new(),
             source_url: String::new(),
             staging_url: String::new(),
+            target_url: String::new(),
         }
     }
 }
@@ -539,7 +542,11 @@ open_transaction_bound = {bound}
             } else {
                 &task.target_table
             },
-            target = self.target.url,
+            target = if task.target_url.is_empty() {
+                &self.target.url
+            } else {
+                &task.target_url
+            },
             cursor_line = if task.cursor_column.is_empty() {
                 String::new()
             } else {

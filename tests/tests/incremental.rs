@@ -410,9 +410,12 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
         overlap: None,
         max_dead_letter_ratio: 0.5,
     };
-    let applied = tidemark_worker::apply::apply_batch(&trigger.target.pool, &batch)
-        .await
-        .unwrap();
+    let applied = tidemark_worker::apply::apply_batch(
+        &tidemark_common::target::TargetPool::Postgres(trigger.target.pool.clone()),
+        &batch,
+    )
+    .await
+    .unwrap();
     assert_eq!(applied.outcome, tidemark_worker::apply::ApplyOutcome::Applied);
     assert_trigger_versions_equal(&trigger, "after re-applying an old batch").await;
 }

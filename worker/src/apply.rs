@@ -12,18 +12,63 @@
 //! A binary batch (see `page_format`) also checks, inside its transaction and after its
 //! writes, that the target's column types are still the ones its bytes were read as.
 
+mod mysql;
+mod postgres;
+
 use bytes::Bytes;
-use sqlx::Row;
-use sqlx::postgres::{PgConnection, PgPool};
 use tidemark_common::batch::Manifest;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::dead_letters::{self, DeadLetter, Layout};
-use tidemark_common::pg::accumulate::AccumulateSql;
-use tidemark_common::pg::{Read, TableSql};
+use tidemark_common::pg::TableSql;
+use tidemark_common::target::TargetPool;
 use tidemark_common::transform::{AccumulateSpec, DeltaKey, Deltas, RowError, RowTransform};
-use tidemark_common::write;
+use tidemark_common::write::WriteError;
 
 use crate::error::WorkerError;
+
+/// A target transaction as the batch protocol uses it. Each engine's is in its own file
+/// (`apply/postgres.rs`, `apply/mysql.rs`); everything else here is the protocol, the same
+/// for every engine.
+pub(crate) trait TargetTx: Sized + Send {
+    type Pool: Sync;
+
+    /// The batch's transaction, or `None` when the ledger already holds the batch. A batch of
+    /// an epoch that `tasks reinit` replaced is refused here, in the target, where its rows
+    /// would go: its shard can no longer commit, but an accumulate task's totals were reset
+    /// and must not count it.
+    async fn begin_unless_applied(pool: &Self::Pool, manifest: &Manifest) -> Result<Option<Self>, WorkerError>;
+    /// The ledger holds the batch with the manifest's row count and content.
+    async fn verify(pool: &Self::Pool, manifest: &Manifest) -> Result<(), WorkerError>;
+    async fn savepoint(&mut self) -> Result<(), sqlx::Error>;
+    /// Keeps (`keep`) or undoes the savepoint's work, and drops the savepoint.
+    async fn end_savepoint(&mut self, keep: bool) -> Result<(), sqlx::Error>;
+    /// Writes a COPY stream (in the batch's layout and format) with the versioned upsert;
+    /// `overlap = (floor, high)` also reports the lateness of rows below the watermark that
+    /// the target lacks. Returns the rows written and the lateness.
+    async fn upsert(
+        &mut self,
+        batch: &BatchToApply<'_>,
+        data: &[u8],
+        overlap: Option<(i64, i64)>,
+    ) -> Result<(u64, Vec<i64>), WriteError>;
+    /// Between two upserts of one transaction.
+    async fn clear_stage(&mut self, sql: &TableSql) -> Result<(), sqlx::Error>;
+    async fn accumulate(&mut self, sql: &TableSql, spec: &AccumulateSpec, deltas: &Deltas) -> Result<(), WriteError>;
+    /// The engine's fast path for a batch whose keys the target does not hold yet; `false`
+    /// when it does not apply (nothing written).
+    async fn write_fresh(&mut self, batch: &BatchToApply<'_>) -> Result<bool, WorkerError>;
+    /// A binary batch: the target's columns still have the types its bytes were read as.
+    async fn check_types(&mut self, batch: &BatchToApply<'_>) -> Result<(), WorkerError>;
+    async fn insert_dead_letters(
+        &mut self,
+        batch: &BatchToApply<'_>,
+        letters: &[DeadLetter],
+    ) -> Result<(), sqlx::Error>;
+    /// The ledger row; 0 when another owner's transaction wrote it first.
+    async fn insert_ledger(&mut self, manifest: &Manifest, dead_letters: u64) -> Result<u64, sqlx::Error>;
+    async fn commit(self) -> Result<(), sqlx::Error>;
+    async fn rollback(self) -> Result<(), sqlx::Error>;
+}
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum ApplyOutcome {
@@ -131,8 +176,34 @@ impl BatchToApply<'_> {
     }
 }
 
+/// Whether an apply error is a row the target refuses (the batch is then applied again with
+/// the bad rows isolated).
+fn is_row_error(error: &WorkerError) -> bool {
+    match error {
+        WorkerError::Database(error) => dead_letters::row_error_class(error).is_some(),
+        WorkerError::Row(_) => true,
+        _ => false,
+    }
+}
+
+impl From<WriteError> for WorkerError {
+    fn from(error: WriteError) -> WorkerError {
+        match error {
+            WriteError::Database(error) => WorkerError::Database(error),
+            WriteError::Row(error) => WorkerError::Row(error),
+        }
+    }
+}
+
 /// Applies a batch.
-pub async fn apply_batch(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
+pub async fn apply_batch(target: &TargetPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
+    match target {
+        TargetPool::Postgres(pool) => apply_with::<postgres::PgTx>(pool, batch).await,
+        TargetPool::MySql(pool) => apply_with::<mysql::MySqlTx>(pool, batch).await,
+    }
+}
+
+async fn apply_with<T: TargetTx>(target: &T::Pool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
     if matches!(batch.write, TaskWrite::Accumulate { .. }) && batch.format != CopyFormat::Text {
         // The transform reads text fields; the worker never stages an accumulate task in binary.
         return Err(WorkerError::Data(format!(
@@ -140,62 +211,28 @@ pub async fn apply_batch(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Ap
             batch.manifest.batch_id
         )));
     }
-    let attempt = match apply_once(target, batch).await {
-        Err(WorkerError::Database(error)) if dead_letters::row_error_class(&error).is_some() => {
+    let attempt = match apply_once::<T>(target, batch).await {
+        Err(error) if is_row_error(&error) => {
             tracing::warn!(batch_id = %batch.manifest.batch_id, %error,
                 "the target rejected a row; isolating the bad rows by bisection");
-            apply_isolating(target, batch).await
+            apply_isolating::<T>(target, batch).await
         }
         other => other,
     };
     match attempt {
         Ok(applied) => {
-            crate::metrics::step("verify", verify(target, batch.manifest)).await?;
+            crate::metrics::step("verify", T::verify(target, batch.manifest)).await?;
             Ok(applied)
         }
         Err(error) => {
             // The outcome of a failed COMMIT is unknown: the ledger is the one answer.
-            if verify(target, batch.manifest).await.is_ok() {
+            if T::verify(target, batch.manifest).await.is_ok() {
                 tracing::warn!(batch_id = %batch.manifest.batch_id, %error, "apply reported an error but the ledger holds the batch");
                 return Ok(Applied::already());
             }
             Err(error)
         }
     }
-}
-
-/// The batch's transaction, or `None` when the ledger already holds the batch. A batch of an
-/// epoch that `tasks reinit` replaced is refused here, in the target, where its rows would go:
-/// its shard can no longer commit, but an accumulate task's totals were reset and must not
-/// count it.
-async fn begin_unless_applied(
-    target: &PgPool,
-    manifest: &Manifest,
-) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, WorkerError> {
-    let mut tx = target.begin().await?;
-    let current: Option<i64> = sqlx::query_scalar(tidemark_common::pg::TARGET_EPOCH)
-        .bind(&manifest.task)
-        .fetch_one(&mut *tx)
-        .await?;
-    if let Some(current) = current
-        && current as u64 > manifest.epoch
-    {
-        tx.rollback().await?;
-        return Err(WorkerError::Fenced(format!(
-            "batch {} of epoch {} refused by the target: task {} is at epoch {current} there",
-            manifest.batch_id, manifest.epoch, manifest.task
-        )));
-    }
-    let applied = sqlx::query("SELECT 1 FROM tidemark_ledger WHERE batch_id = $1")
-        .bind(&manifest.batch_id)
-        .fetch_optional(&mut *tx)
-        .await?
-        .is_some();
-    if applied {
-        tx.rollback().await?;
-        return Ok(None);
-    }
-    Ok(Some(tx))
 }
 
 /// Each row's delta keys, and the rows the transform rejects as dead letters.
@@ -216,25 +253,17 @@ fn transform_rows<'r>(
 }
 
 /// The whole batch in one go: the fast path, and the only one when no row is bad.
-async fn apply_once(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
+async fn apply_once<T: TargetTx>(target: &T::Pool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
     let manifest = batch.manifest;
-    let Some(mut tx) = begin_unless_applied(target, manifest).await? else {
+    let Some(mut tx) = T::begin_unless_applied(target, manifest).await? else {
         return Ok(Applied::already());
     };
     match batch.write {
         TaskWrite::Upsert => {
-            if manifest.target_layout && copy_straight_into_target(&mut tx, batch).await? {
+            if manifest.target_layout && tx.write_fresh(batch).await? {
                 return finish(tx, batch, Vec::new(), Vec::new()).await;
             }
-            let (copied, late) = write::upsert_rows(
-                &mut tx,
-                batch.sql,
-                batch.layout(),
-                batch.data,
-                batch.overlap(),
-                Read::Latest,
-            )
-            .await?;
+            let (copied, late) = tx.upsert(batch, batch.data, batch.overlap()).await?;
             check_count(manifest, copied)?;
             finish(tx, batch, late, Vec::new()).await
         }
@@ -244,8 +273,7 @@ async fn apply_once(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied
             for (_, keys) in candidates {
                 deltas.add(keys);
             }
-            let summary = AccumulateSql { table: batch.sql, spec };
-            write::accumulate(&mut tx, &summary, &deltas).await?;
+            tx.accumulate(batch.sql, spec, &deltas).await?;
             finish(tx, batch, Vec::new(), letters).await
         }
     }
@@ -256,14 +284,14 @@ async fn apply_once(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied
 /// among n this writes O(b·log n) subsets). Accumulate: the target rejects a group (a value
 /// its column refuses), so the groups are bisected instead, and every row contributing to a
 /// rejected group becomes a dead letter; the rest is written in one statement.
-async fn apply_isolating(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
+async fn apply_isolating<T: TargetTx>(target: &T::Pool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
     let manifest = batch.manifest;
-    let Some(mut tx) = begin_unless_applied(target, manifest).await? else {
+    let Some(mut tx) = T::begin_unless_applied(target, manifest).await? else {
         return Ok(Applied::already());
     };
     if batch.format == CopyFormat::Binary {
         // A target column whose type changed rejects binary rows: that is no row's fault.
-        crate::page_format::check_target(&mut *tx, batch.sql).await?;
+        tx.check_types(batch).await?;
     }
     let rows = batch.rows()?;
     check_count(manifest, rows.len() as u64)?;
@@ -272,10 +300,7 @@ async fn apply_isolating(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Ap
             probe_sample(&mut tx, batch, &rows).await?;
             isolate_rows(&mut tx, batch, &rows).await?
         }
-        TaskWrite::Accumulate { spec, transform } => {
-            let summary = AccumulateSql { table: batch.sql, spec };
-            isolate_groups(&mut tx, batch, &summary, transform, &rows).await?
-        }
+        TaskWrite::Accumulate { spec, transform } => isolate_groups(&mut tx, batch, spec, transform, &rows).await?,
     };
     tracing::warn!(
         batch_id = %manifest.batch_id, rows = rows.len(), dead_letters = letters.len(), attempts,
@@ -284,29 +309,12 @@ async fn apply_isolating(target: &PgPool, batch: &BatchToApply<'_>) -> Result<Ap
     finish(tx, batch, late, letters).await
 }
 
-/// Runs `SAVEPOINT`; the caller ends it with [`end_savepoint`].
-async fn savepoint(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-    sqlx::query("SAVEPOINT tidemark_isolate").execute(conn).await?;
-    Ok(())
-}
-
-/// Keeps (`keep`) or undoes the savepoint's work, and drops the savepoint.
-async fn end_savepoint(conn: &mut PgConnection, keep: bool) -> Result<(), sqlx::Error> {
-    if !keep {
-        sqlx::query("ROLLBACK TO SAVEPOINT tidemark_isolate")
-            .execute(&mut *conn)
-            .await?;
-    }
-    sqlx::query("RELEASE SAVEPOINT tidemark_isolate").execute(conn).await?;
-    Ok(())
-}
-
 /// Before a bisection: writes up to [`dead_letters::SAMPLE_ROWS`] rows spread evenly over the
 /// batch, each alone and always undone. When so many are rejected that a rejected share within
 /// `max_dead_letter_ratio` is implausible ([`dead_letters::decisive_rejections`]), the batch is
 /// refused as a target problem at once, instead of after isolating every rejected row. Stops
 /// as soon as the sample can no longer reach that count.
-async fn probe_sample(conn: &mut PgConnection, batch: &BatchToApply<'_>, rows: &[&[u8]]) -> Result<(), WorkerError> {
+async fn probe_sample<T: TargetTx>(conn: &mut T, batch: &BatchToApply<'_>, rows: &[&[u8]]) -> Result<(), WorkerError> {
     let limit = dead_letters::limit(rows.len(), batch.max_dead_letter_ratio);
     if limit >= rows.len() {
         return Ok(());
@@ -319,19 +327,11 @@ async fn probe_sample(conn: &mut PgConnection, batch: &BatchToApply<'_>, rows: &
             return Ok(());
         }
         let row = rows[probe * rows.len() / sample];
-        savepoint(conn).await?;
-        let written = write::upsert_rows(
-            conn,
-            batch.sql,
-            batch.layout(),
-            &batch.format.join([row]),
-            None,
-            Read::Latest,
-        )
-        .await;
-        end_savepoint(conn, false).await?;
+        conn.savepoint().await?;
+        let written = conn.upsert(batch, &batch.format.join([row]), None).await;
+        conn.end_savepoint(false).await?;
         if let Err(error) = written {
-            let Some(row_error) = dead_letters::as_row_error(&error) else {
+            let Some(row_error) = error.row_error() else {
                 return Err(error.into());
             };
             rejected.push(batch.dead_letter(row, row_error));
@@ -353,8 +353,8 @@ async fn probe_sample(conn: &mut PgConnection, batch: &BatchToApply<'_>, rows: &
 
 type Isolated = (Vec<DeadLetter>, Vec<i64>, u64);
 
-async fn isolate_rows(
-    conn: &mut PgConnection,
+async fn isolate_rows<T: TargetTx>(
+    conn: &mut T,
     batch: &BatchToApply<'_>,
     rows: &[&[u8]],
 ) -> Result<Isolated, WorkerError> {
@@ -368,19 +368,19 @@ async fn isolate_rows(
         }
         attempts += 1;
         let data = batch.format.join(rows[lo..hi].iter().copied());
-        savepoint(conn).await?;
-        let written = write::upsert_rows(conn, batch.sql, batch.layout(), &data, batch.overlap(), Read::Latest).await;
+        conn.savepoint().await?;
+        let written = conn.upsert(batch, &data, batch.overlap()).await;
         match written {
             Ok((_, found_late)) => {
-                write::clear_stage(conn, batch.sql).await?;
-                end_savepoint(conn, true).await?;
+                conn.clear_stage(batch.sql).await?;
+                conn.end_savepoint(true).await?;
                 late.extend(found_late);
             }
             Err(error) => {
-                let Some(row_error) = dead_letters::as_row_error(&error) else {
+                let Some(row_error) = error.row_error() else {
                     return Err(error.into());
                 };
-                end_savepoint(conn, false).await?;
+                conn.end_savepoint(false).await?;
                 if hi - lo == 1 {
                     letters.push(batch.dead_letter(rows[lo], row_error));
                     // Stop as soon as the target is at fault, not after bisecting every row.
@@ -396,10 +396,10 @@ async fn isolate_rows(
     Ok((letters, late, attempts))
 }
 
-async fn isolate_groups(
-    conn: &mut PgConnection,
+async fn isolate_groups<T: TargetTx>(
+    conn: &mut T,
     batch: &BatchToApply<'_>,
-    summary: &AccumulateSql<'_>,
+    spec: &AccumulateSpec,
     transform: &RowTransform,
     rows: &[&[u8]],
 ) -> Result<Isolated, WorkerError> {
@@ -412,16 +412,16 @@ async fn isolate_groups(
             deltas.add(keys.iter().cloned());
         }
         attempts += 1;
-        savepoint(conn).await?;
-        let error = match write::accumulate(conn, summary, &deltas).await {
+        conn.savepoint().await?;
+        let error = match conn.accumulate(batch.sql, spec, &deltas).await {
             Ok(()) => {
-                end_savepoint(conn, true).await?;
+                conn.end_savepoint(true).await?;
                 return Ok((letters, Vec::new(), attempts));
             }
-            Err(error) if dead_letters::row_error_class(&error).is_some() => error,
+            Err(error) if error.row_error().is_some() => error,
             Err(error) => return Err(error.into()),
         };
-        end_savepoint(conn, false).await?;
+        conn.end_savepoint(false).await?;
         // Probe halves of the groups (always undone) until each rejected group is alone.
         let entries = deltas.entries();
         let mut rejected: std::collections::HashMap<DeltaKey, RowError> = std::collections::HashMap::new();
@@ -431,13 +431,15 @@ async fn isolate_groups(
                 continue;
             }
             attempts += 1;
-            savepoint(conn).await?;
-            let probe = write::accumulate(conn, summary, &Deltas::from_entries(entries[lo..hi].iter().copied())).await;
-            end_savepoint(conn, false).await?;
+            conn.savepoint().await?;
+            let probe = conn
+                .accumulate(batch.sql, spec, &Deltas::from_entries(entries[lo..hi].iter().copied()))
+                .await;
+            conn.end_savepoint(false).await?;
             match probe {
                 Ok(()) => {}
                 Err(error) => {
-                    let Some(row_error) = dead_letters::as_row_error(&error) else {
+                    let Some(row_error) = error.row_error() else {
                         return Err(error.into());
                     };
                     if hi - lo == 1 {
@@ -478,77 +480,25 @@ fn check_count(manifest: &Manifest, copied: u64) -> Result<(), WorkerError> {
     Ok(())
 }
 
-/// The snapshot's fast path: the rows go straight into the target table by COPY. It works
-/// when the target holds none of their keys (a fresh table); a key it already holds fails the
-/// primary key (and a bad row fails its column), and the savepoint falls back to the
-/// versioned upsert through the stage table.
-async fn copy_straight_into_target(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    batch: &BatchToApply<'_>,
-) -> Result<bool, WorkerError> {
-    sqlx::query("SAVEPOINT tidemark_direct").execute(&mut **tx).await?;
-    let attempt = async {
-        let mut copy = tx.copy_in_raw(&batch.sql.copy_into_target(batch.format)).await?;
-        copy.send(batch.data.as_ref()).await?;
-        copy.finish().await
-    }
-    .await;
-    match attempt {
-        Ok(copied) => {
-            check_count(batch.manifest, copied)?;
-            Ok(true)
-        }
-        Err(error) if dead_letters::row_error_class(&error).is_some() => {
-            sqlx::query("ROLLBACK TO SAVEPOINT tidemark_direct")
-                .execute(&mut **tx)
-                .await?;
-            Ok(false)
-        }
-        Err(error) => Err(error.into()),
-    }
-}
-
 /// Writes the dead letters and the ledger row, and commits (or yields to a concurrent owner
 /// that applied the batch).
-async fn finish(
-    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+async fn finish<T: TargetTx>(
+    mut tx: T,
     batch: &BatchToApply<'_>,
     late: Vec<i64>,
     letters: Vec<DeadLetter>,
 ) -> Result<Applied, WorkerError> {
     let manifest = batch.manifest;
     if batch.format == CopyFormat::Binary {
-        crate::page_format::check_target(&mut *tx, batch.sql).await?;
+        tx.check_types(batch).await?;
     }
     if !letters.is_empty() {
-        dead_letters::insert(
-            &mut tx,
-            &manifest.task,
-            manifest.shard_id,
-            &manifest.batch_id,
-            batch.layout(),
-            &letters,
-        )
-        .await?;
+        tx.insert_dead_letters(batch, &letters).await?;
     }
-    let inserted = sqlx::query(
-        "INSERT INTO tidemark_ledger (batch_id, task, epoch, shard_id, row_count, content_hash, fence, dead_letters) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (batch_id) DO NOTHING",
-    )
-    .bind(&manifest.batch_id)
-    .bind(&manifest.task)
-    .bind(manifest.epoch as i64)
-    .bind(manifest.shard_id as i32)
-    .bind(manifest.row_count as i64)
-    .bind(&manifest.content_hash)
-    .bind(manifest.fence_token as i64)
-    .bind(letters.len() as i64)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
+    let inserted = tx.insert_ledger(manifest, letters.len() as u64).await?;
     tidemark_common::crash::point("in_apply");
-    // A zombie frozen here holds row locks in an open transaction; the session's
-    // idle_in_transaction_session_timeout (half the lease TTL) ends it for the next owner.
+    // A zombie frozen here holds row locks in an open transaction; the session's idle
+    // transaction timeout (half the lease TTL) ends it for the next owner.
     tidemark_common::crash::stop_point("in_apply");
     if inserted == 0 {
         // Another owner applied it concurrently; its transaction won.
@@ -563,15 +513,27 @@ async fn finish(
     })
 }
 
-/// The ledger holds the batch with the manifest's row count and content.
-async fn verify(target: &PgPool, manifest: &Manifest) -> Result<(), WorkerError> {
-    let row = sqlx::query("SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = $1")
-        .bind(&manifest.batch_id)
-        .fetch_optional(target)
-        .await?
-        .ok_or_else(|| WorkerError::Verify(format!("batch {} is not in the ledger", manifest.batch_id)))?;
-    let row_count: i64 = row.get(0);
-    let content_hash: String = row.get(1);
+/// Whether the target's ledger holds `batch_id` with this content: the batch was applied.
+pub async fn ledger_holds(target: &TargetPool, batch_id: &str, content_hash: &str) -> Result<bool, WorkerError> {
+    let stored = match target {
+        TargetPool::Postgres(pool) => postgres::ledger_hash(pool, batch_id).await?,
+        TargetPool::MySql(pool) => mysql::ledger_hash(pool, batch_id).await?,
+    };
+    Ok(stored.as_deref() == Some(content_hash))
+}
+
+/// A batch of an epoch that `tasks reinit` replaced, refused by the target (at `current`).
+fn stale_epoch(manifest: &Manifest, current: i64) -> WorkerError {
+    WorkerError::Fenced(format!(
+        "batch {} of epoch {} refused by the target: task {} is at epoch {current} there",
+        manifest.batch_id, manifest.epoch, manifest.task
+    ))
+}
+
+/// Verification of the ledger row (`row count, content hash`) read for a manifest's batch.
+fn check_ledger_row(manifest: &Manifest, row: Option<(i64, String)>) -> Result<(), WorkerError> {
+    let (row_count, content_hash) =
+        row.ok_or_else(|| WorkerError::Verify(format!("batch {} is not in the ledger", manifest.batch_id)))?;
     if row_count as u64 != manifest.row_count || content_hash != manifest.content_hash {
         return Err(WorkerError::Verify(format!(
             "ledger has batch {} with {row_count} rows / {content_hash}, manifest says {} / {}",
@@ -579,13 +541,4 @@ async fn verify(target: &PgPool, manifest: &Manifest) -> Result<(), WorkerError>
         )));
     }
     Ok(())
-}
-
-/// Whether the target's ledger holds `batch_id` with this content: the batch was applied.
-pub async fn ledger_holds(target: &PgPool, batch_id: &str, content_hash: &str) -> Result<bool, WorkerError> {
-    let stored: Option<String> = sqlx::query_scalar("SELECT content_hash FROM tidemark_ledger WHERE batch_id = $1")
-        .bind(batch_id)
-        .fetch_optional(target)
-        .await?;
-    Ok(stored.as_deref() == Some(content_hash))
 }

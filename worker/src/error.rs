@@ -33,6 +33,10 @@ pub enum WorkerError {
     /// request to pause the task (`target rejects rows`).
     #[error("target rejects rows: {0}")]
     TargetRejects(String),
+    /// A row the target cannot take, found before it reached the database (a field that
+    /// cannot be rendered for the target's engine): the batch isolates it as a dead letter.
+    #[error("row refused: {}: {}", .0.class, .0.message)]
+    Row(tidemark_common::transform::RowError),
 }
 
 impl WorkerError {
@@ -50,7 +54,8 @@ impl WorkerError {
             WorkerError::Data(_)
             | WorkerError::Verify(_)
             | WorkerError::Assignment(_)
-            | WorkerError::SchemaChanged(_) => true,
+            | WorkerError::SchemaChanged(_)
+            | WorkerError::Row(_) => true,
             WorkerError::Staging(error) => error.is_permanent(),
             WorkerError::Fenced(_)
             | WorkerError::Coordinator(_)

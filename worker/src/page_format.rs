@@ -17,6 +17,7 @@ use tidemark_common::source::SourcePool;
 
 use crate::apply::TaskWrite;
 use crate::error::WorkerError;
+use tidemark_common::target::TargetPool;
 
 /// `TIDEMARK_COPY_FORMAT=text` makes every shard read text (to compare, or to rule binary
 /// out); unset or `auto`, the shard chooses.
@@ -38,9 +39,13 @@ async fn column_types(conn: impl PgExecutor<'_>, table: &TableName) -> Result<Co
 
 /// The format this shard's pages are read in. Text when the column types cannot be read
 /// (a database is unreachable): always correct, and the next run chooses again.
-pub async fn choose(sql: &TableSql, write: &TaskWrite, source: &SourcePool, target: &PgPool) -> CopyFormat {
+pub async fn choose(sql: &TableSql, write: &TaskWrite, source: &SourcePool, target: &TargetPool) -> CopyFormat {
     let Some(source) = source.postgres() else {
         tracing::info!(table = %sql.source, "a MySQL source renders its pages as COPY text");
+        return CopyFormat::Text;
+    };
+    let TargetPool::Postgres(target) = target else {
+        tracing::info!(table = %sql.target, "a MySQL target takes its batches as COPY text");
         return CopyFormat::Text;
     };
     match choose_checked(sql, write, source, target).await {

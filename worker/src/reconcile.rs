@@ -181,7 +181,11 @@ impl ShardRun {
                 .source
                 .postgres()
                 .ok_or_else(|| WorkerError::Assignment("reconciliation reads a PostgreSQL source only".into())),
-            Side::Target => Ok(&self.resources.target),
+            Side::Target => self
+                .resources
+                .target
+                .postgres("reconciliation")
+                .map_err(WorkerError::Assignment),
         }
     }
 

@@ -8,6 +8,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::pg::connect_options;
 use tidemark_common::source::{SourceEngine, SourcePool};
 use tidemark_common::staging::Staging;
+use tidemark_common::target::TargetPool;
 use tidemark_proto::v1 as pb;
 use tokio::sync::Mutex;
 
@@ -16,7 +17,7 @@ use crate::error::WorkerError;
 #[derive(Clone)]
 pub struct TaskResources {
     pub source: SourcePool,
-    pub target: PgPool,
+    pub target: TargetPool,
     pub staging: Staging,
 }
 
@@ -55,7 +56,13 @@ impl ResourceCache {
                     tidemark_common::mysql::pool(&spec.source_url, max_shards + 1).map_err(WorkerError::Assignment)?,
                 ),
             },
-            target: pool(&spec.target_url)?,
+            target: match SourceEngine::of_url(&spec.target_url).map_err(WorkerError::Assignment)? {
+                SourceEngine::Postgres => TargetPool::Postgres(pool(&spec.target_url)?),
+                SourceEngine::MySql => TargetPool::MySql(
+                    tidemark_common::mysql::target_pool(&spec.target_url, max_shards + 1, spec.lease_ttl_ms / 2000)
+                        .map_err(WorkerError::Assignment)?,
+                ),
+            },
             staging: Staging::open(&spec.staging_url)?,
         };
         tasks.insert(spec.name.clone(), resources.clone());

@@ -13,6 +13,7 @@ pub mod inspect;
 pub mod read;
 pub mod reconcile;
 pub mod statements;
+pub mod target;
 pub mod types;
 pub mod visibility;
 
@@ -70,6 +71,36 @@ pub fn pool(url: &str, max_connections: u32) -> Result<MySqlPool, String> {
                 conn.execute(SESSION_SQL).await?;
                 conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
                     .await?;
+                Ok(())
+            })
+        })
+        .connect_lazy_with(options))
+}
+
+/// A target's pool: [`pool`]'s sessions, and none of them holds a lock or an idle
+/// transaction longer than `guard_secs` (half a lease), so that a stopped zombie cannot block
+/// a shard's next owner: `innodb_lock_wait_timeout`, and MariaDB's `idle_transaction_timeout`
+/// (MySQL, which lacks it, ends the idle session by `wait_timeout`).
+pub fn target_pool(url: &str, max_connections: u32, guard_secs: u64) -> Result<MySqlPool, String> {
+    let options = connect_options(url)?;
+    let guard = guard_secs.max(1);
+    Ok(MySqlPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                conn.execute(SESSION_SQL).await?;
+                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                    .await?;
+                conn.execute(sqlx::AssertSqlSafe(format!(
+                    "SET SESSION innodb_lock_wait_timeout = {guard}"
+                )))
+                .await?;
+                let idle = format!("SET SESSION idle_transaction_timeout = {guard}");
+                if conn.execute(sqlx::AssertSqlSafe(idle)).await.is_err() {
+                    conn.execute(sqlx::AssertSqlSafe(format!("SET SESSION wait_timeout = {guard}")))
+                        .await?;
+                }
                 Ok(())
             })
         })

@@ -1,0 +1,592 @@
+//! MariaDB as a target: MariaDB → MariaDB and PostgreSQL → MariaDB in upsert, append and
+//! accumulate modes, with the batch protocol unchanged (staging, register, one InnoDB
+//! transaction with the ledger row, verify, CAS). Each source and target is written by a
+//! production-like account (the grants the README lists). Boundary: everything committed
+//! before the watermark; deletes: none (a MySQL target refuses delete policies). Every
+//! comparison is per key: each column rendered as text by each side's own functions, and the
+//! version.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use sqlx::Row;
+use tidemark_common::copy_format::CopyFormat;
+use tidemark_common::mysql::target as mysql_target;
+use tidemark_common::pg::{Column, Read, TableName, TableSql};
+use tidemark_tests::mariadb::{MariaDb, MariaUser};
+use tidemark_tests::{Cluster, TaskSettings};
+
+/// A MariaDB database and an account that reads it as the README asks (SELECT, PROCESS).
+async fn reader_source(tag: &str) -> (MariaDb, MariaUser) {
+    let source = MariaDb::create(tag).await;
+    let user = MariaUser::create(
+        &source,
+        tag,
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    (source, user)
+}
+
+/// A MariaDB target database and an account with the target grants the README lists.
+async fn writer_target(tag: &str) -> (MariaDb, MariaUser) {
+    let target = MariaDb::create(tag).await;
+    let user = MariaUser::create(
+        &target,
+        tag,
+        &[&format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE, CREATE, INDEX ON `{}`.* ",
+            target.name
+        )],
+    )
+    .await;
+    (target, user)
+}
+
+async fn mariadb_now(db: &MariaDb) -> i64 {
+    sqlx::query_scalar("SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) AS SIGNED)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// A key's columns as one text and its version.
+type Rendered = (String, i64);
+
+const MARIADB_ITEMS: &str = "CREATE TABLE items (
+    id BIGINT NOT NULL PRIMARY KEY,
+    flag TINYINT(1) NOT NULL,
+    amount DECIMAL(65,30) NOT NULL,
+    big BIGINT UNSIGNED NOT NULL,
+    happened DATETIME(6) NULL,
+    note VARCHAR(100) CHARACTER SET utf8mb4 NULL,
+    latin VARCHAR(50) CHARACTER SET latin1 NULL,
+    raw BINARY(16) NULL,
+    kind ENUM('small','large') NOT NULL,
+    doc JSON NULL,
+    updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6),
+    KEY items_cursor (updated_at, id)
+) ENGINE=InnoDB";
+
+/// Rows `first..=last`: a 4-byte character, a tab, a quote, a backslash, latin1 text, the
+/// largest unsigned values, a zero date.
+fn mariadb_insert(first: i64, last: i64) -> String {
+    format!(
+        "INSERT INTO items (id, flag, amount, big, happened, note, latin, raw, kind, doc) \
+         SELECT seq, seq % 2, seq / 7, 18446744073709551615 - seq, \
+         IF(seq % 11 = 0, NULL, TIMESTAMP'2024-03-01 10:00:00.123456' + INTERVAL seq SECOND), \
+         CONCAT('note ', seq, ' \u{1F980}', IF(seq % 7 = 0, '\ttab', ''), IF(seq % 5 = 0, ' it''s \\\\ here', '')), \
+         CONCAT('caf\u{e9} ', seq), UNHEX(MD5(seq)), IF(seq % 2, 'small', 'large'), JSON_OBJECT('n', seq) \
+         FROM seq_{first}_to_{last}"
+    )
+}
+
+/// The same rendering on both sides (both are MariaDB): the target's `updated_at` holds the
+/// source `TIMESTAMP`'s UTC time, both sessions are in UTC.
+async fn mariadb_rows(db: &MariaDb, version: &str) -> BTreeMap<i64, Rendered> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT id, CONCAT_WS('|', IF(flag, 't', 'f'), CAST(amount AS CHAR), CAST(big AS CHAR), \
+         IFNULL(DATE_FORMAT(happened, '%Y-%m-%d %H:%i:%s.%f'), 'NULL'), IFNULL(note, 'NULL'), IFNULL(latin, 'NULL'), \
+         IFNULL(LOWER(HEX(raw)), 'NULL'), kind, IFNULL(doc, 'NULL'), DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f')), \
+         CAST({version} AS SIGNED) FROM items"
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|row| (row.get(0), (row.get(1), row.get(2))))
+    .collect()
+}
+
+fn differences<K: Ord + std::fmt::Debug + Clone, V: PartialEq + std::fmt::Debug>(
+    expected: &BTreeMap<K, V>,
+    actual: &BTreeMap<K, V>,
+) -> Option<String> {
+    let missing: Vec<&K> = expected.keys().filter(|k| !actual.contains_key(k)).collect();
+    let phantom: Vec<&K> = actual.keys().filter(|k| !expected.contains_key(k)).collect();
+    let wrong: Vec<(&K, &V, &V)> = expected
+        .iter()
+        .filter_map(|(k, e)| actual.get(k).filter(|a| *a != e).map(|a| (k, e, a)))
+        .collect();
+    if missing.is_empty() && phantom.is_empty() && wrong.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "{} missing (e.g. {:?}), {} phantom (e.g. {:?}), {} differ (e.g. {:?})",
+        missing.len(),
+        missing.iter().take(3).collect::<Vec<_>>(),
+        phantom.len(),
+        phantom.iter().take(3).collect::<Vec<_>>(),
+        wrong.len(),
+        wrong.iter().take(2).collect::<Vec<_>>()
+    ))
+}
+
+async fn assert_mariadb_converged(source: &MariaDb, target: &MariaDb, context: &str) {
+    let expected = mariadb_rows(source, "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated_at)").await;
+    let actual = mariadb_rows(target, "_tidemark_version").await;
+    assert!(expected.len() >= 1000, "{context}: {} source rows", expected.len());
+    if let Some(diff) = differences(&expected, &actual) {
+        panic!("{context}: {diff}");
+    }
+}
+
+/// MariaDB → MariaDB, upsert: a table of many types, snapshot then incremental, a writer
+/// that commits late, two workers; every key equal in every column and version. The target
+/// table is created by Tidemark in the mapped types (`BIGINT UNSIGNED` as `DECIMAL(20,0)`,
+/// `ENUM` as text, `TIMESTAMP` as its UTC `DATETIME`), the ledger row of every batch is in
+/// the target, and a second look finds nothing left to write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_to_mariadb_upserts_per_key() {
+    let (source, reader) = reader_source("mt_src").await;
+    let (target, writer) = writer_target("mt_dst").await;
+    source.exec(MARIADB_ITEMS).await;
+    source.exec(&mariadb_insert(1, 12_000)).await;
+    source
+        .exec("SET SESSION sql_mode = ''; UPDATE items SET happened = '0000-00-00 00:00:00' WHERE id = 78")
+        .await;
+    let mut cluster = Cluster::new("mt_sync").await;
+    cluster
+        .start(&TaskSettings {
+            source_url: source.url_as(&reader.name, &reader.password),
+            target_url: target.url_as(&writer.name, &writer.password),
+            source_table: "items".into(),
+            target_table: "items".into(),
+            shards: 4,
+            page_size: 1500,
+            overlap: "1s",
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 2, &[]);
+    cluster.spawn_worker("b", 2, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    assert_mariadb_converged(&source, &target, "after the snapshot").await;
+
+    let mut late = source.pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *late).await.unwrap();
+    sqlx::raw_sql("UPDATE items SET note = 'committed late' WHERE id = 5")
+        .execute(&mut *late)
+        .await
+        .unwrap();
+    source
+        .exec("UPDATE items SET amount = amount + 1, note = CONCAT(note, ' u') WHERE id BETWEEN 10 AND 20000 AND id % 10 = 0")
+        .await;
+    source.exec(&mariadb_insert(12_001, 13_000)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    sqlx::raw_sql("COMMIT").execute(&mut *late).await.unwrap();
+    drop(late);
+    let end = mariadb_now(&source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(120)).await;
+    assert_mariadb_converged(&source, &target, "after updates, inserts and a late commit").await;
+    let note: String = sqlx::query_scalar("SELECT note FROM items WHERE id = 5")
+        .fetch_one(&target.pool)
+        .await
+        .unwrap();
+    assert_eq!(note, "committed late");
+
+    let types: BTreeMap<String, String> = sqlx::query_as(
+        "SELECT CAST(column_name AS CHAR), CAST(column_type AS CHAR) FROM information_schema.columns \
+         WHERE table_schema = DATABASE() AND table_name = 'items'",
+    )
+    .fetch_all(&target.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    assert_eq!(types["big"], "decimal(20,0)");
+    assert_eq!(types["flag"], "tinyint(1)");
+    assert_eq!(types["updated_at"], "datetime(6)");
+    assert_eq!(types["_tidemark_version"], "bigint(20)");
+    let (batches, rows): (i64, i64) =
+        sqlx::query_as("SELECT CAST(COUNT(*) AS SIGNED), CAST(SUM(row_count) AS SIGNED) FROM tidemark_ledger")
+            .fetch_one(&target.pool)
+            .await
+            .unwrap();
+    assert!(batches >= 8 && rows >= 13_000, "ledger: {batches} batches, {rows} rows");
+}
+
+/// PostgreSQL → MariaDB, upsert: text keys that differ only in case, accents or a trailing
+/// space stay distinct keys (the target table compares bytes without padding); booleans,
+/// numerics, instants, bytes, JSON and an array arrive per key; values MariaDB refuses
+/// (an infinite instant, a numeric NaN, a text longer than the column an operator made
+/// narrower) become dead letters naming their keys, in the target, while the rest of their
+/// batches commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_to_mariadb_keeps_text_keys_apart_and_dead_letters_what_it_refuses() {
+    let (target, writer) = writer_target("pm_dst").await;
+    let mut cluster = Cluster::new("pm_sync").await;
+    cluster
+        .source
+        .exec(
+            "CREATE TABLE codes (code text PRIMARY KEY, flag boolean NOT NULL, amount numeric(12,2), \
+             at timestamptz, raw bytea, doc jsonb, tags integer[], note text NOT NULL, \
+             updated_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        )
+        .await;
+    cluster
+        .source
+        .exec(
+            "INSERT INTO codes (code, flag, amount, at, raw, doc, tags, note) \
+             SELECT (ARRAY['a', 'A', 'é', 'e'])[1 + i % 4] || (i / 8)::text || (ARRAY['', ' '])[1 + (i / 4) % 2], \
+             i % 3 = 0, i * 1.25, timestamptz '2024-01-01 00:00:00+00' + i * interval '1 minute 0.5 second', \
+             decode(md5(i::text), 'hex'), jsonb_build_object('i', i, 's', 'x\"y'), ARRAY[i, i + 1], \
+             'note ' || i || ' 🦀 it''s \\ ' || repeat('z', i % 3) FROM generate_series(1, 5000) i",
+        )
+        .await;
+    // An operator's narrower column: longer notes are refused by the target.
+    target
+        .exec(
+            "CREATE TABLE codes (code VARCHAR(768) NOT NULL PRIMARY KEY, flag TINYINT(1) NOT NULL, \
+             amount DECIMAL(12,2), at DATETIME(6), raw LONGBLOB, doc JSON, tags LONGTEXT, note VARCHAR(40) NOT NULL, \
+             updated_at DATETIME(6) NOT NULL, _tidemark_version BIGINT NOT NULL) \
+             DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin",
+        )
+        .await;
+    cluster
+        .source
+        .exec(
+            "UPDATE codes SET at = 'infinity' WHERE code = 'a12'; UPDATE codes SET note = repeat('long', 20) \
+             WHERE code = 'A20'",
+        )
+        .await;
+    cluster
+        .start(&TaskSettings {
+            target_url: target.url_as(&writer.name, &writer.password),
+            source_table: "public.codes".into(),
+            target_table: "codes".into(),
+            key: vec!["code".into()],
+            shards: 3,
+            page_size: 700,
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 3, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    cluster
+        .source
+        .exec(
+            "UPDATE codes SET note = note || ' v2', flag = NOT flag, updated_at = clock_timestamp() \
+             WHERE length(code) % 2 = 0; UPDATE codes SET amount = 'NaN', updated_at = clock_timestamp() \
+             WHERE code = 'e30'",
+        )
+        .await;
+    let end: i64 = sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
+        .fetch_one(&cluster.source.pool)
+        .await
+        .unwrap();
+    cluster.wait_for_watermark(end, Duration::from_secs(120)).await;
+
+    let letters: BTreeMap<String, String> =
+        sqlx::query_as("SELECT `key`, error_class FROM tidemark_dead_letters WHERE task = 'items'")
+            .fetch_all(&target.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    let bad = ["a12", "A20", "e30"];
+    assert_eq!(
+        letters.keys().map(String::as_str).collect::<Vec<_>>(),
+        {
+            let mut keys = bad.to_vec();
+            keys.sort();
+            keys
+        },
+        "dead letters: {letters:?}"
+    );
+    let mut expected: BTreeMap<String, Rendered> = sqlx::query(
+        "SELECT code, concat_ws('|', CASE WHEN flag THEN 't' ELSE 'f' END, coalesce(amount::text, 'NULL'), \
+         coalesce(to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US'), 'NULL'), coalesce(encode(raw, 'hex'), 'NULL'), \
+         coalesce(doc::text, 'NULL'), coalesce(tags::text, 'NULL'), note, \
+         to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')), \
+         (extract(epoch from updated_at) * 1000000)::bigint FROM codes",
+    )
+    .fetch_all(&cluster.source.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|row| (row.get(0), (row.get(1), row.get(2))))
+    .collect();
+    let actual: BTreeMap<String, Rendered> = sqlx::query(
+        "SELECT code, CONCAT_WS('|', IF(flag, 't', 'f'), IFNULL(CAST(amount AS CHAR), 'NULL'), \
+         IFNULL(DATE_FORMAT(at, '%Y-%m-%d %H:%i:%s.%f'), 'NULL'), IFNULL(LOWER(HEX(raw)), 'NULL'), \
+         IFNULL(doc COLLATE utf8mb4_nopad_bin, 'NULL'), IFNULL(tags, 'NULL'), note, DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f')), _tidemark_version FROM codes",
+    )
+    .fetch_all(&target.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|row| (row.get(0), (row.get(1), row.get(2))))
+    .collect();
+    // A dead letter's key keeps the version before its refused change, or is absent (its
+    // first version was refused): compared apart.
+    for key in ["a12", "A20"] {
+        expected.remove(key);
+        assert!(!actual.contains_key(key), "{key} was refused from the start");
+    }
+    let e30 = expected.remove("e30").unwrap();
+    let held = actual.get("e30").expect("e30 stays at its last accepted version");
+    assert!(held.1 < e30.1 && !held.0.contains("NaN"), "{held:?} vs {e30:?}");
+    let mut actual = actual;
+    actual.remove("e30");
+    assert_eq!(expected.len(), 4997);
+    if let Some(diff) = differences(&expected, &actual) {
+        panic!("per key: {diff}");
+    }
+    for (a, b) in [("a1", "A1"), ("a1", "a1 "), ("é1", "e1")] {
+        assert!(
+            actual.contains_key(a) && actual.contains_key(b),
+            "{a:?} and {b:?} are distinct keys"
+        );
+    }
+}
+
+/// MariaDB → MariaDB, accumulate (seed 003's job: `app_count = app_count + VALUES(app_count)`
+/// per exploded app name): a worker killed inside the apply transaction, then a second one;
+/// every count exact and unchanged by later rounds of replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_003_accumulates_into_mariadb_counting_each_row_once() {
+    let (source, reader) = reader_source("ma_src").await;
+    let (target, writer) = writer_target("ma_dst").await;
+    source
+        .exec("CREATE TABLE events (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, type INT NOT NULL, event TEXT)")
+        .await;
+    let insert = |from: i64, to: i64| {
+        format!(
+            "INSERT INTO events (type, event) SELECT IF(seq % 10 = 0, 3, 5), \
+             JSON_OBJECT('apps', JSON_ARRAY(JSON_OBJECT('name', CONCAT('app-', seq % 13)), \
+                                            JSON_OBJECT('name', CONCAT('app-', seq % 7)))) FROM seq_{from}_to_{to}"
+        )
+    };
+    source.exec(&insert(1, 8000)).await;
+    let mut cluster = Cluster::new("ma_sync").await;
+    let base = TaskSettings {
+        source_url: source.url_as(&reader.name, &reader.password),
+        target_url: target.url_as(&writer.name, &writer.password),
+        source_table: "events".into(),
+        cursor_column: String::new(),
+        page_size: 1000,
+        shards: 2,
+        ..TaskSettings::default()
+    };
+    cluster
+        .start(&TaskSettings {
+            target_table: "app_stat".into(),
+            extra: "mode = \"accumulate\"\nfilter = \"type = 5\"\n\
+                    transform = { explode = \"$.apps[*].name\", from = \"event\", as = \"app_name\" }\n\
+                    group_by = [\"app_name\"]\naggregates = { app_count = \"count\" }"
+                .into(),
+            ..base.clone()
+        })
+        .await;
+    let crasher = cluster.spawn_worker("in-apply", 4, &[("TIDEMARK_CRASH_AT", "in_apply:3")]);
+    assert!(
+        cluster.workers[crasher].wait_exit(Duration::from_secs(60)).is_some(),
+        "crashed in apply"
+    );
+    cluster.spawn_worker("b", 4, &[]);
+    source.exec(&insert(8001, 9000)).await;
+    let expected: BTreeMap<String, i64> = sqlx::query_as(
+        "SELECT jt.name, COUNT(*) FROM events, JSON_TABLE(event, '$.apps[*]' COLUMNS (name VARCHAR(50) PATH '$.name')) jt \
+         WHERE type = 5 GROUP BY jt.name",
+    )
+    .fetch_all(&source.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    assert_eq!(expected.len(), 13);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let counts: BTreeMap<String, i64> = sqlx::query_as("SELECT app_name, CAST(app_count AS SIGNED) FROM app_stat")
+            .fetch_all(&target.pool)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        if counts == expected {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let again: BTreeMap<String, i64> =
+                sqlx::query_as("SELECT app_name, CAST(app_count AS SIGNED) FROM app_stat")
+                    .fetch_all(&target.pool)
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .collect();
+            assert_eq!(again, expected, "counts changed after they were exact");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "per app, expected {expected:?}, target {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// PostgreSQL → MariaDB, append: rows paged by key alone arrive per key while more are
+/// inserted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_appends_into_mariadb_per_key() {
+    let (target, writer) = writer_target("pa_dst").await;
+    let mut cluster = Cluster::new("pa_sync").await;
+    cluster
+        .source
+        .exec(
+            "CREATE TABLE events (id bigserial PRIMARY KEY, payload text NOT NULL); \
+             INSERT INTO events (payload) SELECT 'event ' || i FROM generate_series(1, 6000) i",
+        )
+        .await;
+    cluster
+        .start(&TaskSettings {
+            target_url: target.url_as(&writer.name, &writer.password),
+            source_table: "public.events".into(),
+            target_table: "events".into(),
+            cursor_column: String::new(),
+            extra: "mode = \"append\"".into(),
+            shards: 2,
+            page_size: 800,
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 2, &[]);
+    cluster
+        .source
+        .exec("INSERT INTO events (payload) SELECT 'later ' || i FROM generate_series(1, 2000) i")
+        .await;
+    let expected: BTreeMap<i64, String> = sqlx::query_as("SELECT id, payload FROM events")
+        .fetch_all(&cluster.source.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let actual: BTreeMap<i64, String> = sqlx::query_as("SELECT id, payload FROM events")
+            .fetch_all(&target.pool)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        match differences(&expected, &actual) {
+            None => break,
+            Some(diff) => assert!(Instant::now() < deadline, "append: {diff}"),
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// The versioned upsert on MariaDB itself, under concurrency: four sessions write every
+/// version 1..=40 of the same 500 keys in shuffled orders, each version a multi-row statement
+/// in its own transaction. Whatever the interleaving, each key ends at version 40 with
+/// version 40's value: an older version never overwrites a newer one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_versioned_upsert_holds_under_concurrent_writers_on_mariadb() {
+    let target = MariaDb::create("mt_guard").await;
+    let sql = TableSql {
+        source: TableName::parse("src.items").unwrap(),
+        target: TableName {
+            schema: target.name.clone(),
+            name: "items".into(),
+        },
+        columns: ["id", "name", "qty"]
+            .iter()
+            .zip(["bigint", "text", "integer"])
+            .map(|(n, t)| Column {
+                name: n.to_string(),
+                sql_type: t.to_string(),
+            })
+            .collect(),
+        key_columns: vec!["id".into()],
+        cursor_column: None,
+        version_column: Some("qty".into()),
+        deletes: None,
+        filter: None,
+        page_format: CopyFormat::Text,
+        cursor_zone: None,
+    };
+    target
+        .exec(&mysql_target::create_target_table(
+            &sql,
+            &[true, true, true],
+            "utf8mb4_nopad_bin",
+        ))
+        .await;
+    let mut writers = Vec::new();
+    for writer in 0..4u64 {
+        let url = target.url.clone();
+        let sql = sql.clone();
+        writers.push(tokio::spawn(async move {
+            let pool = tidemark_common::mysql::target_pool(&url, 1, 10).unwrap();
+            let mut versions: Vec<i64> = (1..=40).collect();
+            // A fixed shuffle per writer (no two alike).
+            let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ writer;
+            for i in (1..versions.len()).rev() {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                versions.swap(i, (state % (i as u64 + 1)) as usize);
+            }
+            for version in versions {
+                let lines: Vec<String> = (1..=500)
+                    .map(|id| format!("{id}\tname {id} v{version} by {writer}\t{version}\t{version}"))
+                    .collect();
+                let rows: Vec<&[u8]> = lines.iter().map(|l| l.as_bytes()).collect();
+                let mut tx = pool.begin().await.unwrap();
+                for statement in mysql_target::upsert_statements(&sql, true, &rows, Read::Latest).unwrap() {
+                    loop {
+                        match sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone()))
+                            .execute(&mut *tx)
+                            .await
+                        {
+                            Ok(_) => break,
+                            // A deadlock rolls the transaction back: the next version retries.
+                            Err(e) if tidemark_common::mysql::is_transient(&e) => {
+                                tx = pool.begin().await.unwrap();
+                            }
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                }
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let rows: Vec<(i64, String, i32, i64)> =
+        sqlx::query_as("SELECT id, name, qty, _tidemark_version FROM items ORDER BY id")
+            .fetch_all(&target.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 500);
+    for (id, name, qty, version) in rows {
+        assert_eq!((qty, version), (40, 40), "key {id}");
+        assert!(name.starts_with(&format!("name {id} v40 by ")), "key {id}: {name}");
+    }
+}
+
+/// A MySQL target refuses what it does not offer yet, by name, before anything runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mariadb_target_refuses_delete_policies_by_name() {
+    let (target, writer) = writer_target("mt_refuse").await;
+    let mut cluster = Cluster::new("mt_refuse").await;
+    let log = cluster.refused_start(&TaskSettings {
+        target_url: target.url_as(&writer.name, &writer.password),
+        target_table: "items".into(),
+        extra: "delete_policy = { kind = \"soft\", column = \"deleted\" }".into(),
+        ..TaskSettings::default()
+    });
+    assert!(
+        log.contains("a delete_policy is not supported on a MySQL/MariaDB target yet"),
+        "{log}"
+    );
+}
