@@ -46,6 +46,10 @@ pub(crate) struct Args {
     /// against `mariadb --batch | COPY` measured in the same run.
     #[arg(long, default_value = "postgres")]
     source: String,
+    /// With `--source mariadb`: `mariadb` writes into a MariaDB database instead, against
+    /// `mariadb --batch | LOAD DATA LOCAL INFILE` measured in the same run.
+    #[arg(long, default_value = "postgres")]
+    pub(crate) target: String,
 }
 
 const TABLE: &str = "CREATE TABLE bench_items (

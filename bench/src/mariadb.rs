@@ -1,7 +1,8 @@
-//! `--source mariadb`: the same snapshot from a MariaDB table into PostgreSQL, against a raw
-//! one-stream pipe measured in the same run: `mariadb --batch -e 'SELECT …' | psql -c 'COPY …
-//! FROM STDIN'` into an equivalent empty table with its primary key. Both sides are checked by
-//! count and sums after the run.
+//! `--source mariadb`: the same snapshot from a MariaDB table into PostgreSQL (or, with
+//! `--target mariadb`, into a MariaDB database), against a raw one-stream pipe measured in
+//! the same run: `mariadb --batch -e 'SELECT …' | psql -c 'COPY … FROM STDIN'` (or `| mariadb
+//! -e 'LOAD DATA LOCAL INFILE …'`) into an equivalent empty table with its primary key. Both
+//! sides are checked by count and sums after the run.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -82,6 +83,58 @@ fn baseline(source: &MariaDb, target: &TestDb) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
+/// The MariaDB table Tidemark creates for `bench_items`, without the version column.
+const MARIADB_TARGET_TABLE: &str = "CREATE TABLE bench_items (id BIGINT NOT NULL PRIMARY KEY, uid CHAR(36) NOT NULL, \
+     updated_at DATETIME(3) NOT NULL, payload JSON NOT NULL, amount DECIMAL(12,2) NOT NULL, note LONGTEXT) \
+     DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin";
+
+/// One stream: the MariaDB client's tab-separated output straight into `LOAD DATA`.
+fn mariadb_baseline(source: &MariaDb, target: &MariaDb) -> f64 {
+    let started = Instant::now();
+    let mut out = Command::new("mariadb")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-u",
+            "root",
+            "--batch",
+            "--skip-column-names",
+            "--quick",
+            &source.name,
+            "-e",
+            "SELECT id, uid, updated_at, payload, amount, note FROM bench_items",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("mariadb client");
+    let status = Command::new("mariadb")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-u",
+            "root",
+            "--local-infile=1",
+            &target.name,
+            "-e",
+            "LOAD DATA LOCAL INFILE '/dev/stdin' INTO TABLE bench_items",
+        ])
+        .stdin(out.stdout.take().unwrap())
+        .status()
+        .expect("mariadb client");
+    assert!(
+        status.success() && out.wait().unwrap().success(),
+        "baseline pipe failed"
+    );
+    started.elapsed().as_secs_f64()
+}
+
+async fn mariadb_check(db: &MariaDb) -> String {
+    sqlx::query_scalar("SELECT CONCAT(COUNT(*), ' / ', SUM(id), ' / ', SUM(amount)) FROM bench_items")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
 async fn pg_check(db: &TestDb) -> String {
     sqlx::query_scalar("SELECT count(*)::text || ' / ' || sum(id)::text || ' / ' || sum(amount)::text FROM bench_items")
         .fetch_one(&db.pool)
@@ -103,19 +156,35 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
             .fetch_one(&source.pool)
             .await?;
 
-    let base = TestDb::create("bench_my_base").await;
-    base.exec(PG_TABLE).await;
-    let base_secs = baseline(&source, &base);
-    assert_eq!(pg_check(&base).await, source_check, "the baseline moved every row");
-    drop(base);
-    eprintln!("baseline mariadb | psql COPY: {base_secs:.1}s");
+    let into_mariadb = args.target == "mariadb";
+    let base_secs = if into_mariadb {
+        let base = MariaDb::create("bench_my_base").await;
+        base.exec(MARIADB_TARGET_TABLE).await;
+        let secs = mariadb_baseline(&source, &base);
+        assert_eq!(mariadb_check(&base).await, source_check, "the baseline moved every row");
+        eprintln!("baseline mariadb | LOAD DATA: {secs:.1}s");
+        secs
+    } else {
+        let base = TestDb::create("bench_my_base").await;
+        base.exec(PG_TABLE).await;
+        let secs = baseline(&source, &base);
+        assert_eq!(pg_check(&base).await, source_check, "the baseline moved every row");
+        eprintln!("baseline mariadb | psql COPY: {secs:.1}s");
+        secs
+    };
+    let target = if into_mariadb {
+        Some(MariaDb::create("bench_my_dst").await)
+    } else {
+        None
+    };
 
     let mut cluster = Cluster::new("bench_my").await;
     cluster
         .start(&TaskSettings {
             source_url: source.url.clone(),
             source_table: "bench_items".into(),
-            target_table: "public.bench_items".into(),
+            target_table: if into_mariadb { "bench_items" } else { "public.bench_items" }.into(),
+            target_url: target.as_ref().map(|t| t.url.clone()).unwrap_or_default(),
             cursor_column: "updated_at".into(),
             shards: args.shards,
             page_size: args.page_size,
@@ -147,25 +216,27 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
         .await;
     let secs = started.elapsed().as_secs_f64();
     let rss: Vec<String> = pids.iter().map(|p| format!("{:.0}", crate::peak_rss_mib(*p))).collect();
-    assert_eq!(
-        pg_check(&cluster.target).await,
-        source_check,
-        "the target equals the source"
-    );
+    let target_check = match &target {
+        Some(target) => mariadb_check(target).await,
+        None => pg_check(&cluster.target).await,
+    };
+    assert_eq!(target_check, source_check, "the target equals the source");
     let steps: Vec<String> = crate::step_seconds(&metrics)
         .await
         .into_iter()
         .map(|(step, s)| format!("{step} {s:.1}s"))
         .collect();
     println!(
-        "MariaDB -> PostgreSQL, {rows} rows, {} workers x {} shards, page {}:\n  \
-         baseline (mariadb --batch | COPY, one stream): {base_secs:.1}s ({:.0} rows/s)\n  \
+        "MariaDB -> {}, {rows} rows, {} workers x {} shards, page {}:\n  \
+         baseline (mariadb --batch | {}, one stream): {base_secs:.1}s ({:.0} rows/s)\n  \
          tidemark snapshot: {secs:.1}s ({:.0} rows/s), {:.2}x the baseline; worker peak RSS {} MiB\n  \
          worker time per step (summed over workers): {}\n  \
          checked: count / sum(id) / sum(amount) = {source_check} on both sides",
+        if into_mariadb { "MariaDB" } else { "PostgreSQL" },
         args.workers,
         args.shards,
         args.page_size,
+        if into_mariadb { "LOAD DATA" } else { "COPY" },
         rows as f64 / base_secs,
         rows as f64 / secs,
         base_secs / secs,

@@ -212,7 +212,19 @@ async fn a_mariadb_table_syncs_to_postgres_per_key() {
     // closing note of session 7): reported here, while the guarantee itself is asserted
     // below, per key, with the late row.
     if held.is_ok() {
-        eprintln!("WARNING: the watermark passed a MariaDB transaction still open");
+        // Evidence for the open question: what innodb_trx showed, against the clock.
+        let trx: Vec<(String, String)> = sqlx::query_as(
+            "SELECT CAST(trx_mysql_thread_id AS CHAR), CAST(trx_started AS CHAR) FROM information_schema.innodb_trx",
+        )
+        .fetch_all(&source.pool)
+        .await
+        .unwrap_or_default();
+        let status = cluster.task_status().await;
+        eprintln!(
+            "WARNING: the watermark passed a MariaDB transaction still open: writes_end {writes_end}, \
+             innodb_trx {trx:?}, UTC now {}, status {status:?}",
+            mariadb_now(&source).await
+        );
     }
     sqlx::raw_sql("COMMIT").execute(&mut *late).await.unwrap();
     drop(late);
