@@ -183,7 +183,12 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
         .start(&TaskSettings {
             source_url: source.url.clone(),
             source_table: "bench_items".into(),
-            target_table: if into_mariadb { "bench_items" } else { "public.bench_items" }.into(),
+            target_table: if into_mariadb {
+                "bench_items"
+            } else {
+                "public.bench_items"
+            }
+            .into(),
             target_url: target.as_ref().map(|t| t.url.clone()).unwrap_or_default(),
             cursor_column: "updated_at".into(),
             shards: args.shards,

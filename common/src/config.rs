@@ -510,8 +510,8 @@ impl Config {
             crate::source::SourceEngine::of_url(&task.target)
                 .map_err(|e| invalid(format!("task {name}: target: {e}")))?;
             if crate::mysql::is_mysql_url(&task.target) {
-                let unsupported = if task.delete_policy.is_some() {
-                    Some("a delete_policy")
+                let unsupported = if matches!(task.delete_policy, Some(DeletePolicy::Reconcile {})) {
+                    Some("delete_policy reconcile")
                 } else if task.reconcile_every.is_some() {
                     Some("reconcile_every")
                 } else {
@@ -520,7 +520,7 @@ impl Config {
                 if let Some(feature) = unsupported {
                     return Err(invalid(format!(
                         "task {name}: {feature} is not supported on a MySQL/MariaDB target yet (supported: upsert, \
-                         append and accumulate modes, with dead letters)"
+                         append and accumulate modes, delete_policy soft and tombstone_table, dead letters)"
                     )));
                 }
             }

@@ -109,7 +109,7 @@ async fn ensure(
                 table,
                 sql::create_target_table(table, not_null, collation),
             )
-            .await
+            .await?
         }
         Some(existing) => {
             let has = |name: &str| existing.iter().any(|c| c.name == name);
@@ -135,9 +135,30 @@ async fn ensure(
                     table.key_columns.join(", ")
                 )));
             }
-            Ok(())
         }
     }
+    if let Some(deletes) = &table.deletes {
+        let preparing = |e: sqlx::Error| setup(format!("preparing deletes in the target {}: {e}", table.target));
+        sqlx::query(sqlx::AssertSqlSafe(sql::create_tombstone_table(
+            table,
+            &deletes.tombstones,
+            collation,
+        )))
+        .execute(target)
+        .await
+        .map_err(preparing)?;
+        let columns = types::columns(target, &table.target.schema, &table.target.name)
+            .await
+            .map_err(preparing)?
+            .unwrap_or_default();
+        if deletes.target_soft && !columns.iter().any(|c| c.name == tidemark_common::pg::DELETED_COLUMN) {
+            sqlx::query(sqlx::AssertSqlSafe(sql::add_soft_delete_column(table)))
+                .execute(target)
+                .await
+                .map_err(preparing)?;
+        }
+    }
+    Ok(())
 }
 
 async fn create(target: &MySqlPool, task: &str, table: &TableSql, ddl: String) -> Result<(), CoordinatorError> {

@@ -5,6 +5,9 @@
 
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+
+use tidemark_tests::mariadb::{MariaDb, MariaUser};
 use tidemark_tests::{Cluster, TaskSettings, TestDb, TestRole, key_states};
 
 const COLUMNS: &[&str] = &["id", "name", "qty", "updated_at", "deleted_at"];
@@ -168,15 +171,106 @@ struct PolicyCase {
     soft_target: bool,
     source_version: &'static str,
     reconcile: bool,
+    /// The target is a MariaDB database (written by an account with the README's grants)
+    /// instead of the cluster's PostgreSQL one.
+    mariadb_target: bool,
+}
+
+/// Each row as one text, rendered alike by PostgreSQL (the source) and MariaDB (a target).
+const PG_ROW: &str = "concat_ws('|', id, name, qty, to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US'), \
+     coalesce(to_char(deleted_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US'), 'NULL'))";
+const MARIADB_ROW: &str = "CONCAT_WS('|', id, name, qty, DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f'), \
+     IFNULL(DATE_FORMAT(deleted_at, '%Y-%m-%d %H:%i:%s.%f'), 'NULL'))";
+
+/// A row rendered as one text, and its version.
+type Rendered = (String, i64);
+
+/// [`assert_expected`] against a MariaDB target.
+async fn assert_expected_in_mariadb(
+    cluster: &Cluster,
+    target: &MariaDb,
+    source_live: &str,
+    source_version: &str,
+    soft_target: bool,
+    context: &str,
+) {
+    let expected: BTreeMap<String, (String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT id::text, {PG_ROW}, {source_version} FROM items WHERE {source_live}"
+    )))
+    .fetch_all(&cluster.source.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(k, row, v): (String, String, i64)| (k, (row, v)))
+    .collect();
+    let read = |filter: &str| {
+        let sql = format!("SELECT CAST(id AS CHAR), {MARIADB_ROW}, _tidemark_version FROM items {filter}");
+        async move {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .fetch_all(&target.pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|(k, row, v): (String, String, i64)| (k, (row, v)))
+                .collect::<BTreeMap<String, (String, i64)>>()
+        }
+    };
+    let actual = read(if soft_target { "WHERE NOT _tidemark_deleted" } else { "" }).await;
+    let lost: Vec<&String> = expected.keys().filter(|k| !actual.contains_key(*k)).collect();
+    let stale: Vec<(&String, &Rendered, &Rendered)> = expected
+        .iter()
+        .filter_map(|(k, e)| actual.get(k).filter(|a| *a != e).map(|a| (k, e, a)))
+        .collect();
+    let resurrected: Vec<&String> = actual.keys().filter(|k| !expected.contains_key(*k)).collect();
+    assert!(
+        lost.is_empty() && stale.is_empty() && resurrected.is_empty(),
+        "{context}: {} live keys; {} lost (e.g. {:?}), {} stale (e.g. {:?}), {} deleted in the source but live in the target (e.g. {:?})",
+        expected.len(),
+        lost.len(),
+        lost.iter().take(3).collect::<Vec<_>>(),
+        stale.len(),
+        stale.iter().take(2).collect::<Vec<_>>(),
+        resurrected.len(),
+        resurrected.iter().take(3).collect::<Vec<_>>()
+    );
+    if soft_target {
+        let flagged = read("WHERE _tidemark_deleted").await;
+        let overlap: Vec<&String> = flagged.keys().filter(|k| expected.contains_key(*k)).collect();
+        assert!(
+            overlap.is_empty(),
+            "{context}: live source keys flagged deleted: {overlap:?}"
+        );
+        assert!(!flagged.is_empty(), "{context}: a soft target keeps flagged tombstones");
+    }
 }
 
 async fn run_policy(case: PolicyCase) {
     let mut cluster = Cluster::new(case.tag).await;
     create_fixture(&cluster.source, 20_000).await;
+    let mariadb = if case.mariadb_target {
+        let db = MariaDb::create(&format!("{}_dst", case.tag)).await;
+        let grants = format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE, CREATE, INDEX ON `{}`.* ",
+            db.name
+        );
+        let user = MariaUser::create(&db, case.tag, &[&grants]).await;
+        Some((db, user))
+    } else {
+        None
+    };
     let settings = TaskSettings {
         shards: 4,
         page_size: 2000,
         extra: case.extra.to_string(),
+        target_url: mariadb
+            .as_ref()
+            .map(|(db, user)| db.url_as(&user.name, &user.password))
+            .unwrap_or_default(),
+        target_table: if case.mariadb_target {
+            "items".into()
+        } else {
+            String::new()
+        },
         ..TaskSettings::default()
     };
     cluster.write_config(&settings);
@@ -212,7 +306,12 @@ async fn run_policy(case: PolicyCase) {
         assert!(run["finished"].as_bool().unwrap(), "{run}");
         assert!(run["keys_repaired"].as_u64().unwrap() > 0, "{run}");
     }
-    assert_expected(&cluster, live, case.source_version, case.soft_target, case.tag).await;
+    match &mariadb {
+        Some((db, _)) => {
+            assert_expected_in_mariadb(&cluster, db, live, case.source_version, case.soft_target, case.tag).await
+        }
+        None => assert_expected(&cluster, live, case.source_version, case.soft_target, case.tag).await,
+    }
     let status = cluster.task_status().await;
     let contract = status.contract.expect("status shows the contract");
     assert!(contract.covers_deletes, "{contract:?}");
@@ -229,6 +328,7 @@ async fn soft_delete_policy_deletes_marked_rows() {
         soft_target: false,
         source_version: CURSOR_VERSION,
         reconcile: false,
+        mariadb_target: false,
     })
     .await;
 }
@@ -244,6 +344,7 @@ async fn delete_log_policy_flags_rows_in_a_soft_target() {
         soft_target: true,
         source_version: CURSOR_VERSION,
         reconcile: false,
+        mariadb_target: false,
     })
     .await;
 }
@@ -260,6 +361,41 @@ async fn delete_log_policy_with_trigger_versions() {
         soft_target: false,
         source_version: "tidemark_row_version",
         reconcile: false,
+        mariadb_target: false,
+    })
+    .await;
+}
+
+/// The same deletes suite into a MariaDB target. D = soft (`deleted_at`), hard target: a
+/// MariaDB row is deleted by its tombstone, a re-insert with a newer version comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soft_policy_deletes_rows_in_a_mariadb_target() {
+    run_policy(PolicyCase {
+        tag: "del_soft_my",
+        extra: "delete_policy = { kind = \"soft\", column = \"deleted_at\" }",
+        deletes: Deletes::Soft,
+        install: false,
+        soft_target: false,
+        source_version: CURSOR_VERSION,
+        reconcile: false,
+        mariadb_target: true,
+    })
+    .await;
+}
+
+/// D = tombstone_table (trigger-fed delete log), soft MariaDB target: deleted keys stay
+/// flagged, kept tombstones block older versions replayed later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_log_policy_flags_rows_in_a_soft_mariadb_target() {
+    run_policy(PolicyCase {
+        tag: "del_log_my",
+        extra: "delete_policy = { kind = \"tombstone_table\", retention = \"1h\" }\ntarget_deletes = \"soft\"",
+        deletes: Deletes::Hard,
+        install: true,
+        soft_target: true,
+        source_version: CURSOR_VERSION,
+        reconcile: false,
+        mariadb_target: true,
     })
     .await;
 }
@@ -275,6 +411,7 @@ async fn reconcile_policy_finds_hard_deletes() {
         soft_target: false,
         source_version: CURSOR_VERSION,
         reconcile: true,
+        mariadb_target: false,
     })
     .await;
 }

@@ -2,7 +2,7 @@
 //! accumulate modes, with the batch protocol unchanged (staging, register, one InnoDB
 //! transaction with the ledger row, verify, CAS). Each source and target is written by a
 //! production-like account (the grants the README lists). Boundary: everything committed
-//! before the watermark; deletes: none (a MySQL target refuses delete policies). Every
+//! before the watermark; deletes: none (the deletes suite in `deletes.rs` runs on MariaDB too). Every
 //! comparison is per key: each column rendered as text by each side's own functions, and the
 //! version.
 
@@ -576,17 +576,17 @@ async fn the_versioned_upsert_holds_under_concurrent_writers_on_mariadb() {
 
 /// A MySQL target refuses what it does not offer yet, by name, before anything runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_mariadb_target_refuses_delete_policies_by_name() {
+async fn a_mariadb_target_refuses_reconciliation_by_name() {
     let (target, writer) = writer_target("mt_refuse").await;
     let mut cluster = Cluster::new("mt_refuse").await;
     let log = cluster.refused_start(&TaskSettings {
         target_url: target.url_as(&writer.name, &writer.password),
         target_table: "items".into(),
-        extra: "delete_policy = { kind = \"soft\", column = \"deleted\" }".into(),
+        extra: "delete_policy = { kind = \"reconcile\" }".into(),
         ..TaskSettings::default()
     });
     assert!(
-        log.contains("a delete_policy is not supported on a MySQL/MariaDB target yet"),
+        log.contains("delete_policy reconcile is not supported on a MySQL/MariaDB target yet"),
         "{log}"
     );
 }

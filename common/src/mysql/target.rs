@@ -234,11 +234,44 @@ pub fn create_target_table(sql: &TableSql, not_null: &[bool], collation: &str) -
         })
         .collect();
     definitions.push(format!("{} BIGINT NOT NULL", quote_ident(VERSION_COLUMN)));
+    if sql.deletes.as_ref().is_some_and(|d| d.target_soft) {
+        definitions.push(format!(
+            "{} TINYINT(1) NOT NULL DEFAULT 0",
+            quote_ident(crate::pg::DELETED_COLUMN)
+        ));
+    }
     definitions.push(format!("PRIMARY KEY ({})", key_list(&sql.key_columns)));
     format!(
         "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = {collation}",
         quoted_table(&sql.target),
         definitions.join(", ")
+    )
+}
+
+/// The kept tombstones of a task with a delete policy: its key columns (mapped as keys) and
+/// the version.
+pub fn create_tombstone_table(sql: &TableSql, tombstones: &TableName, collation: &str) -> String {
+    let mut definitions: Vec<String> = sql
+        .key_columns
+        .iter()
+        .zip(sql.key_types())
+        .map(|(k, t)| format!("{} {} NOT NULL", quote_ident(k), column_type(&t, true)))
+        .collect();
+    definitions.push(format!("{} BIGINT NOT NULL", quote_ident(VERSION_COLUMN)));
+    definitions.push(format!("PRIMARY KEY ({})", key_list(&sql.key_columns)));
+    format!(
+        "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = {collation}",
+        quoted_table(tombstones),
+        definitions.join(", ")
+    )
+}
+
+/// Adds the soft-delete flag to a target table that lacks it.
+pub fn add_soft_delete_column(sql: &TableSql) -> String {
+    format!(
+        "ALTER TABLE {} ADD COLUMN {} TINYINT(1) NOT NULL DEFAULT 0",
+        quoted_table(&sql.target),
+        quote_ident(crate::pg::DELETED_COLUMN)
     )
 }
 
@@ -265,12 +298,8 @@ pub fn upsert_statements(
     rows: &[&[u8]],
     read: Read,
 ) -> Result<Vec<String>, (usize, RowError)> {
-    if sql.deletes.is_some() {
-        // Refused by the config's checks; a batch with delete flags never gets here.
-        return Err((
-            0,
-            RowError::new("feature_not_supported", "delete policies on a MySQL target"),
-        ));
+    if let Some(deletes) = &sql.deletes {
+        return delete_aware_statements(sql, deletes, rows, read);
     }
     let _ = target_layout; // the target's columns come first in either layout
     let width = sql.columns.len() + 1;
@@ -282,7 +311,7 @@ pub fn upsert_statements(
         quoted_table(&sql.target),
         columns.join(", ")
     );
-    let tail = upsert_tail(sql, read);
+    let tail = upsert_tail(sql, read, &[]);
     let mut statements = Vec::new();
     let mut current = String::new();
     for (index, row) in rows.iter().enumerate() {
@@ -322,6 +351,154 @@ pub fn upsert_statements(
     Ok(statements)
 }
 
+/// One staged row of a task with a delete policy (staged layout: the columns, the version,
+/// the cursor time, the delete flag), rendered.
+struct StagedRow {
+    /// The columns' literals, then the version's.
+    values: Vec<String>,
+    deleted: bool,
+}
+
+fn parse_staged(sql: &TableSql, row: &[u8]) -> Result<StagedRow, RowError> {
+    let fields: Vec<&[u8]> = row.split(|b| *b == b'\t').collect();
+    let flag = sql.columns.len() + 1 + usize::from(sql.cursor_column.is_some());
+    if fields.len() <= flag {
+        return Err(RowError::new(
+            "bad_copy_file_format",
+            format!("row has fewer than {} fields", flag + 1),
+        ));
+    }
+    let mut values = Vec::with_capacity(sql.columns.len() + 1);
+    for (column, raw) in sql.columns.iter().zip(&fields) {
+        values.push(literal(&column.sql_type, raw)?);
+    }
+    values.push(version_literal(fields[sql.columns.len()])?);
+    let deleted = match fields[flag] {
+        b"t" => true,
+        b"f" => false,
+        other => {
+            return Err(RowError::new(
+                "bad_copy_file_format",
+                format!("delete flag {:?} is not t or f", String::from_utf8_lossy(other)),
+            ));
+        }
+    };
+    Ok(StagedRow { values, deleted })
+}
+
+/// `SELECT a AS _c0, b AS _c1 … UNION ALL …`: rows as a derived table.
+fn derived(rows: &[Vec<String>]) -> String {
+    rows.iter()
+        .map(|row| {
+            let fields: Vec<String> = row.iter().enumerate().map(|(i, v)| format!("{v} AS `_c{i}`")).collect();
+            format!("SELECT {}", fields.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join(" UNION ALL ")
+}
+
+/// A batch of a task with a delete policy, as the PostgreSQL target applies it: its
+/// tombstones are kept (the highest version per key wins) and delete (or flag, in a soft
+/// target) the rows they cover at that version or below; then the rows are upserted unless a
+/// kept tombstone blocks them (one with a higher version, or the same version for a live
+/// row: a delete wins a tie).
+fn delete_aware_statements(
+    sql: &TableSql,
+    deletes: &crate::pg::deletes::DeleteSql,
+    rows: &[&[u8]],
+    read: Read,
+) -> Result<Vec<String>, (usize, RowError)> {
+    let version = quote_ident(VERSION_COLUMN);
+    let deleted = quote_ident(crate::pg::DELETED_COLUMN);
+    let target = quoted_table(&sql.target);
+    let tombs = quoted_table(&deletes.tombstones);
+    let keys = sql.key_positions();
+    let width = sql.columns.len() + 1;
+    let mut tombstones: Vec<Vec<String>> = Vec::new();
+    let mut upserts: Vec<Vec<String>> = Vec::new();
+    for (index, row) in rows.iter().enumerate() {
+        let staged = parse_staged(sql, row).map_err(|e| (index, e))?;
+        if staged.deleted {
+            let mut tomb: Vec<String> = keys.iter().map(|k| staged.values[*k].clone()).collect();
+            tomb.push(staged.values[width - 1].clone());
+            tombstones.push(tomb);
+        }
+        if !staged.deleted || deletes.upserts_tombstone_rows() {
+            let mut values = staged.values;
+            values.push(if staged.deleted { "1" } else { "0" }.to_string());
+            upserts.push(values);
+        }
+    }
+    let key_names: Vec<String> = sql.key_columns.iter().map(|k| quote_ident(k)).collect();
+    let on = |left: &str, right: &str| -> String {
+        key_names
+            .iter()
+            .enumerate()
+            .map(|(i, k)| format!("{left}.{k} = {right}.`_c{i}`"))
+            .collect::<Vec<_>>()
+            .join(" AND ")
+    };
+    let mut statements = Vec::new();
+    let chunk_rows = (STATEMENT_BYTES / 512).max(1);
+    for chunk in tombstones.chunks(chunk_rows) {
+        let values: Vec<String> = chunk.iter().map(|t| format!("({})", t.join(","))).collect();
+        statements.push(format!(
+            "INSERT INTO {tombs} ({}, {version}) VALUES {} ON DUPLICATE KEY UPDATE {version} = GREATEST({version}, VALUES({version}))",
+            key_names.join(", "),
+            values.join(",")
+        ));
+        let groups: Vec<String> = (0..key_names.len()).map(|i| format!("`_c{i}`")).collect();
+        let newest = format!(
+            "(SELECT {groups}, MAX(`_c{v}`) AS `_v` FROM ({rows}) x GROUP BY {groups})",
+            groups = groups.join(", "),
+            v = key_names.len(),
+            rows = derived(chunk),
+        );
+        if !deletes.target_soft {
+            statements.push(format!(
+                "DELETE t FROM {target} t JOIN {newest} s ON {on} WHERE t.{version} <= s.`_v`",
+                on = on("t", "s")
+            ));
+        } else if !deletes.upserts_tombstone_rows() {
+            statements.push(format!(
+                "UPDATE {target} t JOIN {newest} s ON {on} SET t.{deleted} = 1, t.{version} = s.`_v` \
+                 WHERE t.{version} <= s.`_v`",
+                on = on("t", "s")
+            ));
+        }
+    }
+    if upserts.is_empty() {
+        return Ok(statements);
+    }
+    let mut columns: Vec<String> = sql.columns.iter().map(|c| quote_ident(&c.name)).collect();
+    columns.push(version.clone());
+    let mut extra = Vec::new();
+    if deletes.target_soft {
+        columns.push(deleted.clone());
+        extra.push(crate::pg::DELETED_COLUMN.to_string());
+    }
+    let selected: Vec<String> = (0..columns.len()).map(|i| format!("s.`_c{i}`")).collect();
+    let v = format!("s.`_c{}`", width - 1);
+    let flag = format!("s.`_c{width}`");
+    let key_on: Vec<String> = key_names
+        .iter()
+        .zip(&keys)
+        .map(|(k, i)| format!("d.{k} = s.`_c{i}`"))
+        .collect();
+    let tail = upsert_tail(sql, read, &extra);
+    for chunk in upserts.chunks(chunk_rows.min(2000)) {
+        statements.push(format!(
+            "INSERT INTO {target} ({columns}) SELECT {selected} FROM ({rows}) s LEFT JOIN {tombs} d ON {key_on} \
+             WHERE d.{version} IS NULL OR d.{version} < {v} OR (d.{version} = {v} AND {flag} = 1){tail}",
+            columns = columns.join(", "),
+            selected = selected.join(", "),
+            rows = derived(chunk),
+            key_on = key_on.join(" AND "),
+        ));
+    }
+    Ok(statements)
+}
+
 fn version_literal(raw: &[u8]) -> Result<String, RowError> {
     match copy_text::decode_bytes(raw).map_err(|e| RowError::new("bad_copy_file_format", e))? {
         Some(bytes)
@@ -340,22 +517,29 @@ fn version_literal(raw: &[u8]) -> Result<String, RowError> {
 /// ` ON DUPLICATE KEY UPDATE …`: each non-key column takes the new value only when the row's
 /// version is not newer (strictly older for a dead letter's earlier read, see [`Read`]), and
 /// the version itself is assigned last.
-fn upsert_tail(sql: &TableSql, read: Read) -> String {
-    let version = quote_ident(VERSION_COLUMN);
+/// Column names are qualified by the target table: an `INSERT … SELECT` joined to the
+/// tombstones has a second `_tidemark_version`. `extra`: columns beyond the source's (the
+/// soft-delete flag).
+fn upsert_tail(sql: &TableSql, read: Read, extra: &[String]) -> String {
+    let table = quoted_table(&sql.target);
+    let version = format!("{table}.{}", quote_ident(VERSION_COLUMN));
+    let new_version = format!("VALUES({})", quote_ident(VERSION_COLUMN));
     let guard = match read {
-        Read::Latest => format!("{version} <= VALUES({version})"),
-        Read::Earlier => format!("{version} < VALUES({version})"),
+        Read::Latest => format!("{version} <= {new_version}"),
+        Read::Earlier => format!("{version} < {new_version}"),
     };
     let mut updates: Vec<String> = sql
         .columns
         .iter()
-        .filter(|c| !sql.key_columns.contains(&c.name))
+        .map(|c| &c.name)
+        .filter(|c| !sql.key_columns.contains(c))
+        .chain(extra)
         .map(|c| {
-            let c = quote_ident(&c.name);
-            format!("{c} = IF({guard}, VALUES({c}), {c})")
+            let c = quote_ident(c);
+            format!("{table}.{c} = IF({guard}, VALUES({c}), {table}.{c})")
         })
         .collect();
-    updates.push(format!("{version} = IF({guard}, VALUES({version}), {version})"));
+    updates.push(format!("{version} = IF({guard}, {new_version}, {version})"));
     format!(" ON DUPLICATE KEY UPDATE {}", updates.join(", "))
 }
 
@@ -378,7 +562,8 @@ pub fn overlap_rows(sql: &TableSql, rows: &[&[u8]], floor_micros: i64) -> Vec<Ov
     rows.iter()
         .filter_map(|row| {
             let micros = int(row, cursor)?;
-            if micros >= floor_micros {
+            let deleted = sql.deletes.is_some() && copy_text::raw_field(row, cursor + 1) == Some(b"t");
+            if micros >= floor_micros || deleted {
                 return None;
             }
             let key: Option<Vec<String>> = keys
@@ -702,14 +887,15 @@ mod tests {
             "INSERT INTO `dst`.`items` (`id`, `name`, `updated_at`, `_tidemark_version`) VALUES \
              ('1','x','2024-01-01 00:00:00.000000',7),('2',NULL,NULL,8)"
                 .to_string()
-                + " ON DUPLICATE KEY UPDATE `name` = IF(`_tidemark_version` <= VALUES(`_tidemark_version`), \
-                   VALUES(`name`), `name`), `updated_at` = IF(`_tidemark_version` <= VALUES(`_tidemark_version`), \
-                   VALUES(`updated_at`), `updated_at`), `_tidemark_version` = IF(`_tidemark_version` <= \
-                   VALUES(`_tidemark_version`), VALUES(`_tidemark_version`), `_tidemark_version`)"
+                + &" ON DUPLICATE KEY UPDATE T.`name` = IF(T.`_tidemark_version` <= VALUES(`_tidemark_version`), \
+                   VALUES(`name`), T.`name`), T.`updated_at` = IF(T.`_tidemark_version` <= VALUES(`_tidemark_version`), \
+                   VALUES(`updated_at`), T.`updated_at`), T.`_tidemark_version` = IF(T.`_tidemark_version` <= \
+                   VALUES(`_tidemark_version`), VALUES(`_tidemark_version`), T.`_tidemark_version`)"
+                    .replace("T.", "`dst`.`items`.")
         );
         let earlier = upsert_statements(&sql, false, &rows[..1], Read::Earlier).unwrap();
         assert!(
-            earlier[0].contains("IF(`_tidemark_version` < VALUES("),
+            earlier[0].contains("IF(`dst`.`items`.`_tidemark_version` < VALUES("),
             "{}",
             earlier[0]
         );

@@ -109,7 +109,7 @@ impl DeleteSql {
 
     /// Flagged rows carry every column (a soft-deleted source row): in a soft target they are
     /// upserted with the flag set instead of only flagging the existing row.
-    pub(super) fn upserts_tombstone_rows(&self) -> bool {
+    pub fn upserts_tombstone_rows(&self) -> bool {
         self.target_soft && matches!(self.source, DeleteSource::Flag(_))
     }
 
