@@ -17,14 +17,21 @@ pub struct MariaDb {
     /// `mysql://root@…/name`.
     pub url: String,
     pub pool: MySqlPool,
+    /// The server's URL (`mysql://root@host:port`).
+    server: String,
 }
 
 impl MariaDb {
     pub async fn create(tag: &str) -> MariaDb {
+        MariaDb::create_on(&server_url(), tag).await
+    }
+
+    /// A database on another server (e.g. a [`MariaServer`] of the test's own).
+    pub async fn create_on(server: &str, tag: &str) -> MariaDb {
         let name = unique_name(tag);
         let admin = MySqlPoolOptions::new()
             .max_connections(1)
-            .connect(&server_url())
+            .connect(server)
             .await
             .expect("MariaDB at TIDEMARK_TEST_MARIADB (default 127.0.0.1:3306) must be running");
         admin
@@ -34,7 +41,7 @@ impl MariaDb {
             .await
             .unwrap();
         admin.close().await;
-        let url = format!("{}/{name}", server_url());
+        let url = format!("{server}/{name}");
         let pool = MySqlPoolOptions::new()
             .max_connections(4)
             .after_connect(|conn, _| {
@@ -46,7 +53,12 @@ impl MariaDb {
             .connect(&url)
             .await
             .unwrap();
-        MariaDb { name, url, pool }
+        MariaDb {
+            name,
+            url,
+            pool,
+            server: server.to_string(),
+        }
     }
 
     pub async fn exec(&self, sql: &str) {
@@ -66,17 +78,23 @@ impl Drop for MariaDb {
     fn drop(&mut self) {
         // The pool (and any coordinator or worker still alive) may hold metadata locks that
         // would block the DROP forever: end every session of the database first.
-        let sessions = mysql_cli_output(&format!(
-            "SELECT id FROM information_schema.processlist WHERE db = '{}' AND id <> CONNECTION_ID()",
-            self.name
-        ));
+        let sessions = mysql_cli_output(
+            &self.server,
+            &format!(
+                "SELECT id FROM information_schema.processlist WHERE db = '{}' AND id <> CONNECTION_ID()",
+                self.name
+            ),
+        );
         for id in sessions.split_whitespace() {
-            let _ = mysql_cli(&format!("KILL {id}"));
+            let _ = mysql_cli(&self.server, &format!("KILL {id}"));
         }
-        let _ = mysql_cli(&format!(
-            "SET SESSION lock_wait_timeout = 10; DROP DATABASE IF EXISTS `{}`",
-            self.name
-        ));
+        let _ = mysql_cli(
+            &self.server,
+            &format!(
+                "SET SESSION lock_wait_timeout = 10; DROP DATABASE IF EXISTS `{}`",
+                self.name
+            ),
+        );
     }
 }
 
@@ -84,6 +102,7 @@ impl Drop for MariaDb {
 pub struct MariaUser {
     pub name: String,
     pub password: String,
+    server: String,
 }
 
 impl MariaUser {
@@ -100,18 +119,24 @@ impl MariaUser {
                 db.exec(&format!("{grant} TO '{name}'@'{host}'")).await;
             }
         }
-        MariaUser { name, password }
+        MariaUser {
+            name,
+            password,
+            server: db.server.clone(),
+        }
     }
 }
 
 impl Drop for MariaUser {
     fn drop(&mut self) {
-        let _ = mysql_cli(&format!("DROP USER IF EXISTS '{0}'@'%', '{0}'@'localhost'", self.name));
+        let _ = mysql_cli(
+            &self.server,
+            &format!("DROP USER IF EXISTS '{0}'@'%', '{0}'@'localhost'", self.name),
+        );
     }
 }
 
-fn mysql_command(sql: &str) -> Command {
-    let url = server_url();
+fn mysql_command(url: &str, sql: &str) -> Command {
     let rest = url.trim_start_matches("mysql://");
     let (user, host_port) = rest.split_once('@').unwrap_or(("root", rest));
     let (host, port) = host_port.split_once(':').unwrap_or((host_port, "3306"));
@@ -120,14 +145,111 @@ fn mysql_command(sql: &str) -> Command {
     command
 }
 
-fn mysql_cli(sql: &str) -> std::io::Result<std::process::ExitStatus> {
-    mysql_command(sql).stdout(Stdio::null()).stderr(Stdio::null()).status()
+fn mysql_cli(server: &str, sql: &str) -> std::io::Result<std::process::ExitStatus> {
+    mysql_command(server, sql)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
 }
 
-fn mysql_cli_output(sql: &str) -> String {
-    mysql_command(sql)
+fn mysql_cli_output(server: &str, sql: &str) -> String {
+    mysql_command(server, sql)
         .stderr(Stdio::null())
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default()
+}
+
+/// A MariaDB server of one test (its own data directory and loopback port), for faults the
+/// machine's shared server must not suffer: [`MariaServer::restart`] kills it with SIGKILL
+/// and starts it again on the same port and data (InnoDB recovers committed transactions).
+pub struct MariaServer {
+    /// `mysql://root@127.0.0.1:port`.
+    pub url: String,
+    port: u16,
+    dir: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl MariaServer {
+    pub async fn start(tag: &str) -> MariaServer {
+        let dir = std::env::temp_dir().join(unique_name(tag));
+        std::fs::create_dir_all(&dir).unwrap();
+        let installed = Command::new("mariadb-install-db")
+            .arg("--no-defaults")
+            .arg(format!("--datadir={}", dir.join("data").display()))
+            .args([
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+                "--user=root",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("mariadb-install-db (Debian's mariadb-server)");
+        assert!(installed.success(), "mariadb-install-db failed in {}", dir.display());
+        let port = crate::free_port();
+        let mut server = MariaServer {
+            url: format!("mysql://root@127.0.0.1:{port}"),
+            port,
+            dir,
+            child: None,
+        };
+        server.spawn().await;
+        server
+    }
+
+    async fn spawn(&mut self) {
+        let child = Command::new("/usr/sbin/mariadbd")
+            .arg("--no-defaults")
+            .arg(format!("--datadir={}", self.dir.join("data").display()))
+            .arg(format!("--port={}", self.port))
+            .arg(format!("--socket={}", self.dir.join("sock").display()))
+            .arg(format!("--pid-file={}", self.dir.join("pid").display()))
+            .arg(format!("--log-error={}", self.dir.join("error.log").display()))
+            .args([
+                "--bind-address=127.0.0.1",
+                "--skip-name-resolve",
+                "--user=root",
+                "--innodb-buffer-pool-size=64M",
+                "--max-connections=200",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("mariadbd");
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            if let Ok(pool) = MySqlPoolOptions::new().max_connections(1).connect(&self.url).await {
+                pool.close().await;
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the private MariaDB server did not start; see {}",
+                self.dir.join("error.log").display()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+
+    /// SIGKILL, then the same server again; returns once it accepts connections.
+    pub async fn restart(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.spawn().await;
+    }
+}
+
+impl Drop for MariaServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }

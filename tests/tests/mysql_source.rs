@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use sqlx::Row;
-use tidemark_tests::mariadb::{MariaDb, MariaUser};
+use tidemark_tests::mariadb::{MariaDb, MariaServer, MariaUser};
 use tidemark_tests::{Cluster, TaskSettings, TestDb};
 
 const CREATE: &str = "CREATE TABLE items (
@@ -696,7 +696,18 @@ async fn chaos_with_a_mariadb_source_converges_per_key() {
         .unwrap_or_else(|| std::process::id() as u64);
     eprintln!("mariadb chaos seed {seed}");
     let mut rng = tidemark_tests::faults::Rng::new(seed);
-    let (source, user) = reader_source("my_chaos").await;
+    // A server of the test's own: it is killed (SIGKILL) and restarted mid-run.
+    let mut server = MariaServer::start("my_chaos").await;
+    let source = MariaDb::create_on(&server.url, "my_chaos").await;
+    let user = MariaUser::create(
+        &source,
+        "my_chaos",
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
     source.exec(CREATE).await;
     source.exec(&insert(1, 20_000)).await;
     let mut cluster = Cluster::new("my_chaos").await;
@@ -736,8 +747,9 @@ async fn chaos_with_a_mariadb_source_converges_per_key() {
 
     let started = Instant::now();
     let mut generation = 0;
+    let mut episode = 0;
     let mut zombie: Option<(usize, Instant)> = None;
-    let (mut crashes, mut zombies, mut drops, mut woken) = (0, 0, 0, 0);
+    let (mut crashes, mut zombies, mut drops, mut woken, mut restarts) = (0, 0, 0, 0, 0);
     while started.elapsed() < Duration::from_secs(30) {
         tokio::time::sleep(Duration::from_millis(rng.range(1500, 3500))).await;
         // A frozen zombie is woken once its lease is long gone: its commit must be refused.
@@ -753,6 +765,14 @@ async fn chaos_with_a_mariadb_source_converges_per_key() {
             }
         }
         generation += 1;
+        episode += 1;
+        // Twice a run, the source server itself dies and comes back (same data, same port):
+        // every session of every worker and of the writer breaks at once.
+        if episode == 3 || episode == 7 {
+            server.restart().await;
+            restarts += 1;
+            continue;
+        }
         let slot = rng.range(0, slots.len() as u64) as usize;
         if zombie.is_some_and(|(z, _)| z == slot) {
             continue;
@@ -779,12 +799,21 @@ async fn chaos_with_a_mariadb_source_converges_per_key() {
                 zombies += 1;
             }
             _ => {
-                let sessions: Vec<i64> =
-                    sqlx::query_scalar("SELECT id FROM information_schema.processlist WHERE user = ?")
+                // (The harness's own pool may hold a session broken by a restart: retried.)
+                let mut sessions: Vec<i64> = Vec::new();
+                for _ in 0..3 {
+                    match sqlx::query_scalar("SELECT id FROM information_schema.processlist WHERE user = ?")
                         .bind(&user.name)
                         .fetch_all(&source.pool)
                         .await
-                        .unwrap();
+                    {
+                        Ok(found) => {
+                            sessions = found;
+                            break;
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                    }
+                }
                 for id in sessions {
                     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
                         .execute(&source.pool)
@@ -815,7 +844,26 @@ async fn chaos_with_a_mariadb_source_converges_per_key() {
         *index = cluster.spawn_worker(&format!("w{n}-final"), 4, &[]);
     }
     eprintln!(
-        "mariadb chaos: {crashes} crash points armed, {zombies} zombies ({woken} frozen and woken), {drops} session drops"
+        "mariadb chaos: {crashes} crash points armed, {zombies} zombies ({woken} frozen and woken), {drops} session \
+         drops, {restarts} server restarts"
+    );
+    assert_eq!(restarts, 2, "the run restarted the source server");
+    // Sessions the restarts broke in the harness's own pool fail once each: drain them.
+    for _ in 0..8 {
+        if sqlx::query("SELECT 1").execute(&source.pool).await.is_ok() {
+            break;
+        }
+    }
+    let uptime: String = sqlx::query_scalar(
+        "SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME = 'UPTIME'",
+    )
+    .fetch_one(&source.pool)
+    .await
+    .unwrap();
+    let uptime: u64 = uptime.parse().unwrap();
+    assert!(
+        uptime + 3 < started.elapsed().as_secs(),
+        "the server the run ends on started {uptime} s ago, mid-run"
     );
     let end = mariadb_now(&source).await;
     cluster
