@@ -442,7 +442,8 @@ impl Config {
             // comparison a MySQL source offers (a configured reconciliation must say so).
             let reconciles =
                 task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
-            if crate::mysql::is_mysql_url(&task.source) && !reconciles {
+            let mysql = crate::mysql::is_mysql_url(&task.source) || crate::mysql::is_mysql_url(&task.target);
+            if mysql && !reconciles {
                 task.reconcile_compare = ReconcileCompare::Versions;
             }
         }
@@ -510,17 +511,12 @@ impl Config {
             crate::source::SourceEngine::of_url(&task.target)
                 .map_err(|e| invalid(format!("task {name}: target: {e}")))?;
             if crate::mysql::is_mysql_url(&task.target) {
-                let unsupported = if matches!(task.delete_policy, Some(DeletePolicy::Reconcile {})) {
-                    Some("delete_policy reconcile")
-                } else if task.reconcile_every.is_some() {
-                    Some("reconcile_every")
-                } else {
-                    None
-                };
-                if let Some(feature) = unsupported {
+                let reconciles =
+                    task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
+                if reconciles && task.reconcile_compare == ReconcileCompare::Content {
                     return Err(invalid(format!(
-                        "task {name}: {feature} is not supported on a MySQL/MariaDB target yet (supported: upsert, \
-                         append and accumulate modes, delete_policy soft and tombstone_table, dead letters)"
+                        "task {name}: a MySQL/MariaDB target reconciles versions only (no hash of every column's \
+                         content that both engines compute alike yet): set reconcile_compare = \"versions\""
                     )));
                 }
             }

@@ -202,7 +202,7 @@ fn integer_minimum(sql_type: &str) -> i64 {
     }
 }
 
-fn is_integer_type(sql_type: &str) -> bool {
+pub(crate) fn is_integer_type(sql_type: &str) -> bool {
     matches!(sql_type, "bigint" | "integer" | "smallint")
 }
 

@@ -696,11 +696,13 @@ impl AdminService for CoordinatorService {
         } else {
             ReconcileCompare::parse(&request.compare).map_err(CoordinatorError::InvalidRequest)?
         };
+        let config = &self.task(&request.task)?.config;
         if compare == ReconcileCompare::Content
-            && tidemark_common::mysql::is_mysql_url(&self.task(&request.task)?.config.source)
+            && (tidemark_common::mysql::is_mysql_url(&config.source)
+                || tidemark_common::mysql::is_mysql_url(&config.target))
         {
             return Err(CoordinatorError::InvalidRequest(format!(
-                "task {}: a MySQL/MariaDB source reconciles versions only: use --compare versions",
+                "task {}: a MySQL/MariaDB source or target reconciles versions only: use --compare versions",
                 request.task
             ))
             .into());

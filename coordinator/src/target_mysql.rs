@@ -26,6 +26,19 @@ pub async fn prepare(
 ) -> Result<Option<u64>, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let reconciles = config.reconcile_every.is_some()
+        || matches!(
+            config.delete_policy,
+            Some(tidemark_common::config::DeletePolicy::Reconcile {})
+        );
+    let key_type = table.key_types()[0].clone();
+    if reconciles && (table.key_columns.len() != 1 || !crate::planner::is_integer_type(&key_type)) {
+        return Err(setup(format!(
+            "reconciliation into a MySQL/MariaDB target needs a single integer key (buckets split at integer \
+             thresholds compare alike on both engines; text collations do not); ({}) is {key_type}",
+            table.key_columns.join(", ")
+        )));
+    }
     let target = pool(config)?;
     let result = async {
         ensure(&target, config, table, not_null).await?;

@@ -98,6 +98,51 @@ impl Drop for MariaDb {
     }
 }
 
+/// A table of many MariaDB types, the fixture of the MariaDB source and target tests.
+pub const ITEMS_TABLE: &str = "CREATE TABLE items (
+    id BIGINT NOT NULL PRIMARY KEY,
+    flag TINYINT(1) NOT NULL,
+    amount DECIMAL(65,30) NOT NULL,
+    big BIGINT UNSIGNED NOT NULL,
+    happened DATETIME(6) NULL,
+    note VARCHAR(100) CHARACTER SET utf8mb4 NULL,
+    latin VARCHAR(50) CHARACTER SET latin1 NULL,
+    raw BINARY(16) NULL,
+    kind ENUM('small','large') NOT NULL,
+    doc JSON NULL,
+    updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6),
+    KEY items_cursor (updated_at, id)
+) ENGINE=InnoDB";
+
+/// Rows `first..=last`: a 4-byte character, a tab, a quote, a backslash, latin1 text, the
+/// largest unsigned values.
+pub fn items_insert(first: i64, last: i64) -> String {
+    format!(
+        "INSERT INTO items (id, flag, amount, big, happened, note, latin, raw, kind, doc) \
+         SELECT seq, seq % 2, seq / 7, 18446744073709551615 - seq, \
+         IF(seq % 11 = 0, NULL, TIMESTAMP'2024-03-01 10:00:00.123456' + INTERVAL seq SECOND), \
+         CONCAT('note ', seq, ' \u{1F980}', IF(seq % 7 = 0, '\ttab', ''), IF(seq % 5 = 0, ' it''s \\\\ here', '')), \
+         CONCAT('caf\u{e9} ', seq), UNHEX(MD5(seq)), IF(seq % 2, 'small', 'large'), JSON_OBJECT('n', seq) \
+         FROM seq_{first}_to_{last}"
+    )
+}
+
+/// A MariaDB database and an account with the grants the README asks of a source: SELECT on
+/// the database and PROCESS for the open-transaction bound.
+pub async fn reader_source(tag: &str) -> (MariaDb, MariaUser) {
+    let source = MariaDb::create(tag).await;
+    let user = MariaUser::create(
+        &source,
+        tag,
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    (source, user)
+}
+
 /// A login account of one test (server-wide), dropped on drop.
 pub struct MariaUser {
     pub name: String,

@@ -10,35 +10,10 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use sqlx::Row;
-use tidemark_tests::mariadb::{MariaDb, MariaServer, MariaUser};
+use tidemark_tests::mariadb::{
+    ITEMS_TABLE as CREATE, MariaDb, MariaServer, MariaUser, items_insert as insert, reader_source,
+};
 use tidemark_tests::{Cluster, TaskSettings, TestDb};
-
-const CREATE: &str = "CREATE TABLE items (
-    id BIGINT NOT NULL PRIMARY KEY,
-    flag TINYINT(1) NOT NULL,
-    amount DECIMAL(65,30) NOT NULL,
-    big BIGINT UNSIGNED NOT NULL,
-    happened DATETIME(6) NULL,
-    note VARCHAR(100) CHARACTER SET utf8mb4 NULL,
-    latin VARCHAR(50) CHARACTER SET latin1 NULL,
-    raw BINARY(16) NULL,
-    kind ENUM('small','large') NOT NULL,
-    doc JSON NULL,
-    updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6),
-    KEY items_cursor (updated_at, id)
-) ENGINE=InnoDB";
-
-/// Rows `first..=last`: a 4-byte character, a tab, latin1 text, the largest unsigned values.
-fn insert(first: i64, last: i64) -> String {
-    format!(
-        "INSERT INTO items (id, flag, amount, big, happened, note, latin, raw, kind, doc) \
-         SELECT seq, seq % 2, seq / 7, 18446744073709551615 - seq, \
-         IF(seq % 11 = 0, NULL, TIMESTAMP'2024-03-01 10:00:00.123456' + INTERVAL seq SECOND), \
-         CONCAT('note ', seq, ' \u{1F980}', IF(seq % 7 = 0, '\ttab', '')), CONCAT('caf\u{e9} ', seq), \
-         UNHEX(MD5(seq)), IF(seq % 2, 'small', 'large'), JSON_OBJECT('n', seq) \
-         FROM seq_{first}_to_{last}"
-    )
-}
 
 /// A key's columns as one text and its version.
 type Rendered = (String, i64);
@@ -127,22 +102,6 @@ where
         .unwrap()
         .into_iter()
         .collect()
-}
-
-/// A MariaDB database and an account with the grants the README asks for: SELECT on the
-/// database and PROCESS for the open-transaction bound.
-async fn reader_source(tag: &str) -> (MariaDb, MariaUser) {
-    let source = MariaDb::create(tag).await;
-    let user = MariaUser::create(
-        &source,
-        tag,
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
-    (source, user)
 }
 
 fn settings(db: &MariaDb, user: &MariaUser) -> TaskSettings {

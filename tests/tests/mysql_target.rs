@@ -13,23 +13,8 @@ use sqlx::Row;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::mysql::target as mysql_target;
 use tidemark_common::pg::{Column, Read, TableName, TableSql};
-use tidemark_tests::mariadb::{MariaDb, MariaUser};
+use tidemark_tests::mariadb::{ITEMS_TABLE, MariaDb, MariaUser, items_insert, reader_source};
 use tidemark_tests::{Cluster, TaskSettings};
-
-/// A MariaDB database and an account that reads it as the README asks (SELECT, PROCESS).
-async fn reader_source(tag: &str) -> (MariaDb, MariaUser) {
-    let source = MariaDb::create(tag).await;
-    let user = MariaUser::create(
-        &source,
-        tag,
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
-    (source, user)
-}
 
 /// A MariaDB target database and an account with the target grants the README lists.
 async fn writer_target(tag: &str) -> (MariaDb, MariaUser) {
@@ -55,34 +40,6 @@ async fn mariadb_now(db: &MariaDb) -> i64 {
 
 /// A key's columns as one text and its version.
 type Rendered = (String, i64);
-
-const MARIADB_ITEMS: &str = "CREATE TABLE items (
-    id BIGINT NOT NULL PRIMARY KEY,
-    flag TINYINT(1) NOT NULL,
-    amount DECIMAL(65,30) NOT NULL,
-    big BIGINT UNSIGNED NOT NULL,
-    happened DATETIME(6) NULL,
-    note VARCHAR(100) CHARACTER SET utf8mb4 NULL,
-    latin VARCHAR(50) CHARACTER SET latin1 NULL,
-    raw BINARY(16) NULL,
-    kind ENUM('small','large') NOT NULL,
-    doc JSON NULL,
-    updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6),
-    KEY items_cursor (updated_at, id)
-) ENGINE=InnoDB";
-
-/// Rows `first..=last`: a 4-byte character, a tab, a quote, a backslash, latin1 text, the
-/// largest unsigned values, a zero date.
-fn mariadb_insert(first: i64, last: i64) -> String {
-    format!(
-        "INSERT INTO items (id, flag, amount, big, happened, note, latin, raw, kind, doc) \
-         SELECT seq, seq % 2, seq / 7, 18446744073709551615 - seq, \
-         IF(seq % 11 = 0, NULL, TIMESTAMP'2024-03-01 10:00:00.123456' + INTERVAL seq SECOND), \
-         CONCAT('note ', seq, ' \u{1F980}', IF(seq % 7 = 0, '\ttab', ''), IF(seq % 5 = 0, ' it''s \\\\ here', '')), \
-         CONCAT('caf\u{e9} ', seq), UNHEX(MD5(seq)), IF(seq % 2, 'small', 'large'), JSON_OBJECT('n', seq) \
-         FROM seq_{first}_to_{last}"
-    )
-}
 
 /// The same rendering on both sides (both are MariaDB): the target's `updated_at` holds the
 /// source `TIMESTAMP`'s UTC time, both sessions are in UTC.
@@ -143,8 +100,8 @@ async fn assert_mariadb_converged(source: &MariaDb, target: &MariaDb, context: &
 async fn mariadb_to_mariadb_upserts_per_key() {
     let (source, reader) = reader_source("mt_src").await;
     let (target, writer) = writer_target("mt_dst").await;
-    source.exec(MARIADB_ITEMS).await;
-    source.exec(&mariadb_insert(1, 12_000)).await;
+    source.exec(ITEMS_TABLE).await;
+    source.exec(&items_insert(1, 12_000)).await;
     source
         .exec("SET SESSION sql_mode = ''; UPDATE items SET happened = '0000-00-00 00:00:00' WHERE id = 78")
         .await;
@@ -177,7 +134,7 @@ async fn mariadb_to_mariadb_upserts_per_key() {
     source
         .exec("UPDATE items SET amount = amount + 1, note = CONCAT(note, ' u') WHERE id BETWEEN 10 AND 20000 AND id % 10 = 0")
         .await;
-    source.exec(&mariadb_insert(12_001, 13_000)).await;
+    source.exec(&items_insert(12_001, 13_000)).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     sqlx::raw_sql("COMMIT").execute(&mut *late).await.unwrap();
     drop(late);
@@ -576,17 +533,105 @@ async fn the_versioned_upsert_holds_under_concurrent_writers_on_mariadb() {
 
 /// A MySQL target refuses what it does not offer yet, by name, before anything runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_mariadb_target_refuses_reconciliation_by_name() {
+async fn a_mariadb_target_refuses_content_reconciliation_by_name() {
     let (target, writer) = writer_target("mt_refuse").await;
     let mut cluster = Cluster::new("mt_refuse").await;
     let log = cluster.refused_start(&TaskSettings {
         target_url: target.url_as(&writer.name, &writer.password),
         target_table: "items".into(),
-        extra: "delete_policy = { kind = \"reconcile\" }".into(),
+        extra: "delete_policy = { kind = \"reconcile\" }\nreconcile_compare = \"content\"".into(),
         ..TaskSettings::default()
     });
     assert!(
-        log.contains("delete_policy reconcile is not supported on a MySQL/MariaDB target yet"),
+        log.contains("a MySQL/MariaDB target reconciles versions only")
+            && log.contains("reconcile_compare = \"versions\""),
         "{log}"
+    );
+}
+
+/// PostgreSQL → MariaDB, reconciliation (versions; D = reconcile): 40 hard deletes in the
+/// source, 10 rows deleted and 10 set to an older version in the target, and 5 backdated
+/// source updates that incremental cannot see (their version is below the target's) are all
+/// found by the hash both engines compute alike and repaired: per key, name and version.
+/// A second run reads no row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciliation_repairs_drift_in_a_mariadb_target() {
+    let (target, writer) = writer_target("mr_dst").await;
+    let mut cluster = Cluster::new("mr_sync").await;
+    cluster
+        .source
+        .exec(
+            "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, updated_at timestamptz NOT NULL); \
+             INSERT INTO items SELECT i, 'item ' || i, now() - interval '1 hour' + i * interval '1 ms' \
+             FROM generate_series(1, 6000) i",
+        )
+        .await;
+    cluster
+        .start(&TaskSettings {
+            target_url: target.url_as(&writer.name, &writer.password),
+            target_table: "items".into(),
+            shards: 3,
+            page_size: 1000,
+            extra: "delete_policy = { kind = \"reconcile\" }\nreconcile_compare = \"versions\"".into(),
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 3, &[]);
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
+        .fetch_one(&cluster.source.pool)
+        .await
+        .unwrap();
+    cluster.wait_for_watermark(now, Duration::from_secs(120)).await;
+    cluster
+        .source
+        .exec(
+            "DELETE FROM items WHERE id BETWEEN 3001 AND 3040; \
+             UPDATE items SET name = 'backdated ' || id, updated_at = updated_at - interval '10 minutes' \
+             WHERE id IN (11, 1234, 2500, 3999, 4321)",
+        )
+        .await;
+    target
+        .exec(
+            "DELETE FROM items WHERE id BETWEEN 1001 AND 1010; \
+             UPDATE items SET name = 'stale', _tidemark_version = 1 WHERE id BETWEEN 2001 AND 2010",
+        )
+        .await;
+    let end: i64 = sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
+        .fetch_one(&cluster.source.pool)
+        .await
+        .unwrap();
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    let backdated: String = sqlx::query_scalar("SELECT name FROM items WHERE id = 1234")
+        .fetch_one(&target.pool)
+        .await
+        .unwrap();
+    assert_eq!(backdated, "item 1234", "incremental cannot see a backdated update");
+    let run = cluster.reconcile(&["--full"]);
+    assert!(run["finished"].as_bool().unwrap(), "{run}");
+    assert_eq!(run["keys_repaired"].as_u64().unwrap(), 65, "{run}");
+    let expected: BTreeMap<i64, (String, i64)> =
+        sqlx::query_as("SELECT id, name, (extract(epoch from updated_at) * 1000000)::bigint FROM items")
+            .fetch_all(&cluster.source.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(id, name, v): (i64, String, i64)| (id, (name, v)))
+            .collect();
+    let actual: BTreeMap<i64, (String, i64)> = sqlx::query_as("SELECT id, name, _tidemark_version FROM items")
+        .fetch_all(&target.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(id, name, v): (i64, String, i64)| (id, (name, v)))
+        .collect();
+    assert_eq!(expected.len(), 5960);
+    if let Some(diff) = differences(&expected, &actual) {
+        panic!("after the reconciliation: {diff}");
+    }
+    let again = cluster.reconcile(&["--full"]);
+    assert_eq!(
+        (again["keys_repaired"].as_u64(), again["rows_read"].as_u64()),
+        (Some(0), Some(0)),
+        "{again}"
     );
 }

@@ -20,8 +20,10 @@ use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::copy_text;
 use tidemark_common::cursor::{KeyValue, ShardRange};
 use tidemark_common::mysql::MySqlStatements;
+use tidemark_common::mysql::reconcile::TargetStatements;
 use tidemark_common::pg::reconcile::{Scope, Side};
 use tidemark_common::source::{SourcePool, SourceReads};
+use tidemark_common::target::TargetPool;
 use tidemark_proto::v1 as pb;
 
 use crate::client::CoordinatorClient;
@@ -98,10 +100,10 @@ impl ShardRun {
         since_micros: Option<i64>,
         content: bool,
     ) -> Result<Outcome, WorkerError> {
-        if content && self.mysql_source().is_some() {
+        if content && (self.mysql_source().is_some() || self.mysql_target().is_some()) {
             // The coordinator refuses such runs; never compare less than was asked.
             return Err(WorkerError::Assignment(
-                "a MySQL/MariaDB source reconciles versions only (reconcile_compare = \"versions\")".into(),
+                "a MySQL/MariaDB source or target reconciles versions only (reconcile_compare = \"versions\")".into(),
             ));
         }
         let mut outcome = Outcome::default();
@@ -113,7 +115,7 @@ impl ShardRun {
                 range: &range,
                 since_micros,
                 content,
-                portable: self.mysql_source().is_some(),
+                portable: self.mysql_source().is_some() || self.mysql_target().is_some(),
             };
             let (source_count, target_count) = match known {
                 Some(counts) => counts,
@@ -189,6 +191,15 @@ impl ShardRun {
         }
     }
 
+    /// The target's pool, when the target is MySQL/MariaDB (its statements:
+    /// [`TargetStatements`]).
+    fn mysql_target(&self) -> Option<&sqlx::MySqlPool> {
+        match &self.resources.target {
+            TargetPool::MySql(pool) => Some(pool),
+            TargetPool::Postgres(_) => None,
+        }
+    }
+
     /// The MySQL source and its statements, when the source is MySQL/MariaDB.
     fn mysql_source(&self) -> Option<(&sqlx::MySqlPool, &MySqlStatements)> {
         match (&self.resources.source, &self.reads) {
@@ -198,6 +209,16 @@ impl ShardRun {
     }
 
     async fn sums(&self, side: Side, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<Sums, WorkerError> {
+        if let (Side::Target, Some(pool)) = (side, self.mysql_target()) {
+            let statement = TargetStatements { sql: &self.sql }
+                .checksum_buckets(scope, thresholds)
+                .map_err(WorkerError::Assignment)?;
+            let rows: Vec<(i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_all(pool).await?;
+            return Ok(rows
+                .into_iter()
+                .map(|(bucket, count, hash)| (bucket as i32, (count, hash)))
+                .collect());
+        }
         if let (Side::Source, Some((pool, mysql))) = (side, self.mysql_source()) {
             let rows: Vec<(i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(
                 mysql.checksum_buckets(&self.sql, scope, thresholds),
@@ -232,18 +253,25 @@ impl ShardRun {
             let mut lo = i64::MAX;
             let mut hi = i64::MIN;
             for side in [Side::Source, Side::Target] {
-                let (min, max): (Option<String>, Option<String>) = match (side, self.mysql_source()) {
-                    (Side::Source, Some((pool, mysql))) => {
-                        sqlx::query_as(sqlx::AssertSqlSafe(mysql.key_bounds(&self.sql, scope)))
-                            .fetch_one(pool)
-                            .await?
-                    }
-                    _ => {
-                        sqlx::query_as(sqlx::AssertSqlSafe(self.sql.key_bounds(side, scope)))
-                            .fetch_one(self.side_pool(side)?)
-                            .await?
-                    }
-                };
+                let (min, max): (Option<String>, Option<String>) =
+                    match (side, self.mysql_source(), self.mysql_target()) {
+                        (Side::Source, Some((pool, mysql)), _) => {
+                            sqlx::query_as(sqlx::AssertSqlSafe(mysql.key_bounds(&self.sql, scope)))
+                                .fetch_one(pool)
+                                .await?
+                        }
+                        (Side::Target, _, Some(pool)) => {
+                            let statement = TargetStatements { sql: &self.sql }
+                                .key_bounds(scope)
+                                .map_err(WorkerError::Assignment)?;
+                            sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_one(pool).await?
+                        }
+                        _ => {
+                            sqlx::query_as(sqlx::AssertSqlSafe(self.sql.key_bounds(side, scope)))
+                                .fetch_one(self.side_pool(side)?)
+                                .await?
+                        }
+                    };
                 let parse = |t: Option<String>| t.and_then(|t| t.parse::<i64>().ok());
                 if let (Some(min), Some(max)) = (parse(min), parse(max)) {
                     lo = lo.min(min);
@@ -312,7 +340,19 @@ impl ShardRun {
             }
             None => read(Side::Source).await?,
         };
-        let target = read(Side::Target).await?;
+        let target = match self.mysql_target() {
+            Some(pool) => {
+                let statement = TargetStatements { sql: &self.sql }
+                    .key_versions(scope)
+                    .map_err(WorkerError::Assignment)?;
+                let rows: Vec<(String, i64, i64)> =
+                    sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_all(pool).await?;
+                rows.into_iter()
+                    .map(|(key, version, content)| (vec![key], (version, content)))
+                    .collect()
+            }
+            None => read(Side::Target).await?,
+        };
         outcome.rows_read += (source.len() + target.len()) as u64;
         let key_types = self.sql.key_types();
         let to_key = |values: &[String]| -> Vec<KeyValue> {

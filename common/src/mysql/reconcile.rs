@@ -106,3 +106,115 @@ impl MySqlStatements {
         )
     }
 }
+
+/// Reconciliation statements on a MySQL/MariaDB *target*: the task's table in the target,
+/// its `_tidemark_version`, the same portable hash as the source side (either engine's), and
+/// without the rows a soft target flags deleted. A single integer key, like the source side.
+pub struct TargetStatements<'a> {
+    pub sql: &'a TableSql,
+}
+
+impl TargetStatements<'_> {
+    fn table(&self) -> String {
+        super::target::quoted_table(&self.sql.target)
+    }
+
+    fn key(&self) -> String {
+        quote_ident(&self.sql.key_columns[0])
+    }
+
+    fn version(&self) -> String {
+        quote_ident(crate::pg::VERSION_COLUMN)
+    }
+
+    /// The scope's live target rows. A window (`since_micros`) needs a cursor whose target
+    /// values are UTC times (`timestamp with time zone`, or a naive cursor read in UTC).
+    fn where_clause(&self, scope: &Scope<'_>) -> Result<String, String> {
+        let key = self.key();
+        let integer = |k: &KeyValue| -> Result<i128, String> {
+            k.value
+                .parse::<i128>()
+                .map_err(|_| format!("reconciling a MySQL target needs an integer key, not {:?}", k.value))
+        };
+        let mut conditions = Vec::new();
+        if let Some(lo) = &scope.range.lo {
+            conditions.push(format!("{key} >= {}", integer(lo)?));
+        }
+        if let Some(hi) = &scope.range.hi {
+            conditions.push(format!("{key} < {}", integer(hi)?));
+        }
+        if let (Some(since), Some(cursor)) = (scope.since_micros, &self.sql.cursor_column) {
+            let with_zone = self
+                .sql
+                .columns
+                .iter()
+                .any(|c| &c.name == cursor && c.sql_type.contains("with time zone"));
+            let utc = self
+                .sql
+                .cursor_zone
+                .as_deref()
+                .is_none_or(|z| z == "UTC" || z == "+00:00");
+            if !with_zone && !utc {
+                return Err(format!(
+                    "a windowed reconciliation on a MySQL target compares cursor times in UTC, and {cursor:?} is \
+                     written in {}: run a full one",
+                    self.sql.cursor_zone.as_deref().unwrap_or("?")
+                ));
+            }
+            let at = chrono::DateTime::from_timestamp_micros(since)
+                .ok_or_else(|| format!("cursor time {since} is out of range"))?
+                .naive_utc()
+                .format("%Y-%m-%d %H:%M:%S%.6f");
+            conditions.push(format!("{} >= '{at}'", quote_ident(cursor)));
+        }
+        if self.sql.deletes.as_ref().is_some_and(|d| d.target_soft) {
+            conditions.push(format!("{} = 0", quote_ident(crate::pg::DELETED_COLUMN)));
+        }
+        Ok(if conditions.is_empty() {
+            String::new()
+        } else {
+            format!(" WHERE {}", conditions.join(" AND "))
+        })
+    }
+
+    /// `bucket, count, sum of row hashes` per bucket split at `thresholds`, as the source
+    /// side computes it (see [`MySqlStatements::checksum_buckets`]).
+    pub fn checksum_buckets(&self, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<String, String> {
+        let key = self.key();
+        let bucket = if thresholds.is_empty() {
+            "0".to_string()
+        } else {
+            let values: Vec<&str> = thresholds.iter().map(|t| t.value.as_str()).collect();
+            format!("INTERVAL({key}, {})", values.join(", "))
+        };
+        Ok(format!(
+            "SELECT CAST({bucket} AS SIGNED) AS bucket, CAST(COUNT(*) AS SIGNED), \
+             CAST(COALESCE(SUM(CAST(CONV(SUBSTRING(MD5(CONCAT_WS(CHAR(31 USING utf8mb4), CAST({key} AS CHAR), \
+             CAST({version} AS CHAR))), 1, 15), 16, 10) AS UNSIGNED)), 0) AS CHAR) FROM {table}{filter} \
+             GROUP BY 1 ORDER BY 1",
+            version = self.version(),
+            table = self.table(),
+            filter = self.where_clause(scope)?,
+        ))
+    }
+
+    pub fn key_bounds(&self, scope: &Scope<'_>) -> Result<String, String> {
+        let key = self.key();
+        Ok(format!(
+            "SELECT CAST(MIN({key}) AS CHAR), CAST(MAX({key}) AS CHAR) FROM {}{}",
+            self.table(),
+            self.where_clause(scope)?
+        ))
+    }
+
+    /// Every `(key as text, version, 0)` of the scope.
+    pub fn key_versions(&self, scope: &Scope<'_>) -> Result<String, String> {
+        Ok(format!(
+            "SELECT CAST({} AS CHAR), CAST({} AS SIGNED), CAST(0 AS SIGNED) FROM {}{}",
+            self.key(),
+            self.version(),
+            self.table(),
+            self.where_clause(scope)?
+        ))
+    }
+}

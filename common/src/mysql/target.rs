@@ -499,6 +499,71 @@ fn delete_aware_statements(
     Ok(statements)
 }
 
+/// Before a repair batch's upsert (reconciliation; the staged layout with the expected
+/// target version last): a row the comparison saw at a version the source no longer has (a
+/// backdated update) is removed, but only while it is still that version, so that a newer
+/// change applied meanwhile stays; with a delete policy, kept tombstones of keys the source
+/// holds live again are lifted, or they would keep the repaired rows out.
+pub fn repair_statements(sql: &TableSql, rows: &[&[u8]]) -> Result<Vec<String>, (usize, RowError)> {
+    let version = quote_ident(VERSION_COLUMN);
+    let positions = sql.key_positions();
+    let types = sql.key_types();
+    let flag = sql.columns.len() + 1 + usize::from(sql.cursor_column.is_some());
+    let mut replaced = Vec::new();
+    let mut lifted = Vec::new();
+    for (index, row) in rows.iter().enumerate() {
+        let fields: Vec<&[u8]> = row.split(|b| *b == b'\t').collect();
+        let bad = |message: &str| (index, RowError::new("bad_copy_file_format", message.to_string()));
+        let int = |raw: &[u8]| std::str::from_utf8(raw).ok().and_then(|t| t.parse::<i64>().ok());
+        let expected = fields.last().copied().ok_or_else(|| bad("empty repair row"))?;
+        let row_version = fields
+            .get(sql.columns.len())
+            .copied()
+            .and_then(int)
+            .ok_or_else(|| bad("repair row without a version"))?;
+        let mut key = Vec::with_capacity(positions.len());
+        for (k, (position, sql_type)) in sql.key_columns.iter().zip(positions.iter().zip(&types)) {
+            let raw = fields
+                .get(*position)
+                .copied()
+                .ok_or_else(|| bad("repair row without its key"))?;
+            key.push(format!(
+                "{} = {}",
+                quote_ident(k),
+                literal(sql_type, raw).map_err(|e| (index, e))?
+            ));
+        }
+        let key = key.join(" AND ");
+        if let Some(expected) = int(expected)
+            && expected > row_version
+        {
+            replaced.push(format!("({key} AND {version} = {expected})"));
+        }
+        let live = sql.deletes.is_some() && fields.get(flag).copied() == Some(b"f");
+        if live {
+            lifted.push(format!("({key})"));
+        }
+    }
+    let mut statements = Vec::new();
+    for chunk in replaced.chunks(500) {
+        statements.push(format!(
+            "DELETE FROM {} WHERE {}",
+            quoted_table(&sql.target),
+            chunk.join(" OR ")
+        ));
+    }
+    if let Some(deletes) = &sql.deletes {
+        for chunk in lifted.chunks(500) {
+            statements.push(format!(
+                "DELETE FROM {} WHERE {}",
+                quoted_table(&deletes.tombstones),
+                chunk.join(" OR ")
+            ));
+        }
+    }
+    Ok(statements)
+}
+
 fn version_literal(raw: &[u8]) -> Result<String, RowError> {
     match copy_text::decode_bytes(raw).map_err(|e| RowError::new("bad_copy_file_format", e))? {
         Some(bytes)

@@ -115,8 +115,14 @@ impl TargetTx for MySqlTx {
             Some((floor, high)) => self.late_rows(batch, &rows, floor, high).await?,
             None => Vec::new(),
         };
-        let statements = sql::upsert_statements(batch.sql, batch.manifest.target_layout, &rows, Read::Latest)
-            .map_err(|(_, error)| WriteError::Row(error))?;
+        let mut statements = Vec::new();
+        if batch.manifest.repair {
+            statements = sql::repair_statements(batch.sql, &rows).map_err(|(_, error)| WriteError::Row(error))?;
+        }
+        statements.extend(
+            sql::upsert_statements(batch.sql, batch.manifest.target_layout, &rows, Read::Latest)
+                .map_err(|(_, error)| WriteError::Row(error))?,
+        );
         for statement in statements {
             self.run(statement).await?;
         }
