@@ -4,6 +4,7 @@
 pub mod admin_cli;
 pub mod checkpoints;
 pub mod dead_letters;
+pub mod dead_letters_mysql;
 pub mod error;
 pub mod janitor;
 pub mod leader;

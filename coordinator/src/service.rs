@@ -65,15 +65,6 @@ impl CoordinatorService {
             .ok_or_else(|| CoordinatorError::UnknownTask(name.to_string()))
     }
 
-    /// A PostgreSQL target, for the dead-letter commands (not offered on MySQL targets yet).
-    fn target(&self, name: &str) -> Result<&sqlx::PgPool, CoordinatorError> {
-        self.target_pool(name)?
-            .postgres("the dead-letter commands (list, retry, resolve, purge)")
-            .map_err(|e| {
-                CoordinatorError::InvalidRequest(format!("task {name}: {e}; read tidemark_dead_letters in the target"))
-            })
-    }
-
     /// Dead letters per status, or a warning when the target does not answer in time.
     async fn dead_letter_counts(&self, task: &str) -> Result<HashMap<String, u64>, String> {
         let Ok(target) = self.target_pool(task) else {
@@ -870,8 +861,14 @@ impl AdminService for CoordinatorService {
         let request = request.into_inner();
         let status = Some(request.status.to_uppercase()).filter(|s| !s.is_empty());
         let limit = if request.limit == 0 { 100 } else { request.limit };
-        let letters =
-            crate::dead_letters::list(self.target(&request.task)?, &request.task, status.as_deref(), limit).await?;
+        let letters = match self.target_pool(&request.task)? {
+            TargetPool::Postgres(pool) => {
+                crate::dead_letters::list(pool, &request.task, status.as_deref(), limit).await?
+            }
+            TargetPool::MySql(pool) => {
+                crate::dead_letters_mysql::list(pool, &request.task, status.as_deref(), limit).await?
+            }
+        };
         Ok(Response::new(pb::DeadLetterList { letters }))
     }
 
@@ -881,8 +878,12 @@ impl AdminService for CoordinatorService {
     ) -> Result<Response<pb::RetryDeadLettersResponse>, Status> {
         let request = request.into_inner();
         let task = self.task(&request.task)?;
-        let response =
-            crate::dead_letters::retry(&self.inner.control, self.target(&request.task)?, task, &request.keys).await?;
+        let response = match self.target_pool(&request.task)? {
+            TargetPool::Postgres(pool) => {
+                crate::dead_letters::retry(&self.inner.control, pool, task, &request.keys).await?
+            }
+            TargetPool::MySql(pool) => crate::dead_letters_mysql::retry(pool, task, &request.keys).await?,
+        };
         Ok(Response::new(response))
     }
 
@@ -891,13 +892,14 @@ impl AdminService for CoordinatorService {
         request: Request<pb::ResolveDeadLettersRequest>,
     ) -> Result<Response<pb::ResolveDeadLettersResponse>, Status> {
         let request = request.into_inner();
-        let resolved = crate::dead_letters::resolve(
-            self.target(&request.task)?,
-            &request.task,
-            &request.keys,
-            request.all_failed,
-        )
-        .await?;
+        let resolved = match self.target_pool(&request.task)? {
+            TargetPool::Postgres(pool) => {
+                crate::dead_letters::resolve(pool, &request.task, &request.keys, request.all_failed).await?
+            }
+            TargetPool::MySql(pool) => {
+                crate::dead_letters_mysql::resolve(pool, &request.task, &request.keys, request.all_failed).await?
+            }
+        };
         tracing::info!(task = %request.task, resolved, "dead letters resolved by the operator");
         Ok(Response::new(pb::ResolveDeadLettersResponse { resolved }))
     }
@@ -908,7 +910,10 @@ impl AdminService for CoordinatorService {
     ) -> Result<Response<pb::PurgeDeadLettersResponse>, Status> {
         let request = request.into_inner();
         let older_than = std::time::Duration::from_millis(request.older_than_ms);
-        let purged = crate::dead_letters::purge(self.target(&request.task)?, &request.task, older_than).await?;
+        let purged = match self.target_pool(&request.task)? {
+            TargetPool::Postgres(pool) => crate::dead_letters::purge(pool, &request.task, older_than).await?,
+            TargetPool::MySql(pool) => crate::dead_letters_mysql::purge(pool, &request.task, older_than).await?,
+        };
         tracing::info!(task = %request.task, purged, "resolved dead letters purged by the operator");
         Ok(Response::new(pb::PurgeDeadLettersResponse { purged }))
     }

@@ -635,3 +635,119 @@ async fn reconciliation_repairs_drift_in_a_mariadb_target() {
         "{again}"
     );
 }
+
+/// The dead-letter commands on a MariaDB target: names too long for an operator's narrower
+/// column are dead letters (`list` shows their COPY lines); the operator widens the column,
+/// and `retry` writes them, each in one transaction with its RESOLVED status, except the one
+/// still too long, which goes to RETRY with its error; `resolve` and `purge` act on exactly
+/// the named and the RESOLVED letters. Per key, the target then equals the source but for
+/// the key still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_retried_resolved_and_purged_in_a_mariadb_target() {
+    let (target, writer) = writer_target("md_dst").await;
+    let mut cluster = Cluster::new("md_sync").await;
+    cluster
+        .source
+        .exec(
+            "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, updated_at timestamptz NOT NULL); \
+             INSERT INTO items SELECT i, CASE WHEN i % 500 = 0 THEN repeat('long', 8) || i ELSE 'item ' || i END, \
+             now() - interval '1 hour' + i * interval '1 ms' FROM generate_series(1, 3000) i; \
+             UPDATE items SET name = repeat('x', 100) WHERE id = 1500",
+        )
+        .await;
+    target
+        .exec(
+            "CREATE TABLE items (id BIGINT NOT NULL PRIMARY KEY, name VARCHAR(20) NOT NULL, updated_at DATETIME(6) NOT NULL, \
+             _tidemark_version BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin",
+        )
+        .await;
+    cluster
+        .start(&TaskSettings {
+            target_url: target.url_as(&writer.name, &writer.password),
+            target_table: "items".into(),
+            shards: 2,
+            page_size: 500,
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 2, &[]);
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
+        .fetch_one(&cluster.source.pool)
+        .await
+        .unwrap();
+    cluster.wait_for_watermark(now, Duration::from_secs(120)).await;
+    let bad: Vec<String> = (1..=6).map(|i| (i * 500).to_string()).collect();
+    let listed = cluster.cli_json(&["dead-letters", "list", "--task", "items"]);
+    let keys: Vec<&str> = listed["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap())
+        .collect();
+    let mut sorted_bad: Vec<&str> = bad.iter().map(String::as_str).collect();
+    sorted_bad.sort();
+    assert_eq!(keys, sorted_bad, "{listed}");
+    let first = &listed["dead_letters"][0];
+    assert_eq!(
+        first["error_class"].as_str(),
+        Some("string_data_right_truncation"),
+        "{first}"
+    );
+    assert!(first["payload"].as_str().unwrap().starts_with("1000\tlong"), "{first}");
+
+    target.exec("ALTER TABLE items MODIFY name VARCHAR(60) NOT NULL").await;
+    let result = cluster.cli_json(&["dead-letters", "retry", "--task", "items"]);
+    assert_eq!(
+        (result["resolved"].as_u64(), result["retry"].as_u64()),
+        (Some(5), Some(1)),
+        "{result}"
+    );
+    let statuses: BTreeMap<String, (String, i32)> =
+        sqlx::query_as("SELECT `key`, status, retry_count FROM tidemark_dead_letters WHERE task = 'items'")
+            .fetch_all(&target.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(k, s, c): (String, String, i32)| (k, (s, c)))
+            .collect();
+    for key in &bad {
+        let expected = if key == "1500" { ("RETRY", 1) } else { ("RESOLVED", 0) };
+        assert_eq!(
+            (statuses[key].0.as_str(), statuses[key].1),
+            expected,
+            "key {key}: {statuses:?}"
+        );
+    }
+    let expected: BTreeMap<i64, (String, i64)> = sqlx::query_as(
+        "SELECT id, name, (extract(epoch from updated_at) * 1000000)::bigint FROM items WHERE id <> 1500",
+    )
+    .fetch_all(&cluster.source.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(id, name, v): (i64, String, i64)| (id, (name, v)))
+    .collect();
+    let actual: BTreeMap<i64, (String, i64)> = sqlx::query_as("SELECT id, name, _tidemark_version FROM items")
+        .fetch_all(&target.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(id, name, v): (i64, String, i64)| (id, (name, v)))
+        .collect();
+    if let Some(diff) = differences(&expected, &actual) {
+        panic!("after the retry: {diff}");
+    }
+
+    let kept = cluster.cli_json(&["dead-letters", "purge", "--task", "items", "--older-than", "1h"]);
+    assert_eq!(kept["purged"].as_u64(), Some(0), "{kept}");
+    let purged = cluster.cli_json(&["dead-letters", "purge", "--task", "items", "--older-than", "0s"]);
+    assert_eq!(purged["purged"].as_u64(), Some(5), "{purged}");
+    let resolved = cluster.cli_json(&["dead-letters", "resolve", "--task", "items", "--key", "1500"]);
+    assert_eq!(resolved["resolved"].as_u64(), Some(1), "{resolved}");
+    let left: Vec<(String, String)> =
+        sqlx::query_as("SELECT `key`, status FROM tidemark_dead_letters WHERE task = 'items'")
+            .fetch_all(&target.pool)
+            .await
+            .unwrap();
+    assert_eq!(left, vec![("1500".to_string(), "RESOLVED".to_string())]);
+}
