@@ -777,13 +777,7 @@ pub async fn reinit_task(
         target_differences: Vec::new(),
     };
     if SourceEngine::of_url(&config.target).map_err(&setup)? == SourceEngine::MySql {
-        if alter_target {
-            return Err(setup(
-                "--alter-target is not supported on a MySQL/MariaDB target yet: alter the table by hand, then reinit"
-                    .into(),
-            ));
-        }
-        crate::target_mysql::reinit(config, &sql, &not_null, plan.epoch).await?;
+        reinit.target_changes = crate::target_mysql::reinit(config, &sql, &not_null, plan.epoch, alter_target).await?;
         return switch_to(control, task, &plan, reinit).await;
     }
     let target = connect_database(task, "target", &config.target).await?;

@@ -183,21 +183,61 @@ async fn create(target: &MySqlPool, task: &str, table: &TableSql, ddl: String) -
     Ok(())
 }
 
-/// `tasks reinit` on a MySQL target: the table is checked (or created) for the new epoch's
-/// columns, then the task's epoch is raised under the row's exclusive lock, so no batch of
-/// the old epoch commits after it; an accumulate task's totals and dead letters are emptied
-/// in the same transaction.
+/// `tasks reinit` on a MySQL target: a source column the table lacks is added with
+/// `alter_target` (nullable, in its mapped type: the new epoch's snapshot fills it), else
+/// refused by name; a column of another type is kept as it is (values it cannot hold become
+/// dead letters). Then the task's epoch is raised under the row's exclusive lock, so no batch
+/// of the old epoch commits after it; an accumulate task's totals and dead letters are
+/// emptied in the same transaction. Returns the statements that altered the table.
 pub async fn reinit(
     config: &TaskConfig,
     table: &TableSql,
     not_null: &[bool],
     epoch: u64,
-) -> Result<(), CoordinatorError> {
+    alter_target: bool,
+) -> Result<Vec<String>, CoordinatorError> {
     let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
     let failed =
         |e: sqlx::Error| CoordinatorError::task_setup(task, format!("raising epoch {epoch} in the target: {e}"));
     let target = pool(config)?;
     let result = async {
+        let mut changes = Vec::new();
+        let existing = types::columns(&target, &table.target.schema, &table.target.name)
+            .await
+            .map_err(|e| setup(format!("target table {}: {e}", table.target)))?;
+        if let Some(existing) = existing
+            && config.accumulate_spec().map_err(&setup)?.is_none()
+        {
+            let missing: Vec<&tidemark_common::pg::Column> = table
+                .columns
+                .iter()
+                .filter(|c| !existing.iter().any(|e| e.name == c.name))
+                .collect();
+            if !missing.is_empty() && !alter_target {
+                let names: Vec<&str> = missing.iter().map(|c| c.name.as_str()).collect();
+                return Err(setup(format!(
+                    "target table {} has no column {}; add the columns, or run `tidemark-coordinator tasks reinit \
+                     {task} --alter-target`",
+                    table.target,
+                    names.join(", ")
+                )));
+            }
+            for column in missing {
+                let statement = format!(
+                    "ALTER TABLE {} ADD COLUMN {} {}",
+                    sql::quoted_table(&table.target),
+                    mysql::quote_ident(&column.name),
+                    sql::column_type(&column.sql_type, false)
+                );
+                sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+                    .execute(&target)
+                    .await
+                    .map_err(|e| setup(format!("{statement}: {e}")))?;
+                tracing::warn!(task, %statement, "target table altered to the source's columns");
+                changes.push(statement);
+            }
+        }
         ensure(&target, config, table, not_null).await?;
         let mut tx = target.begin().await.map_err(failed)?;
         sqlx::query("SELECT epoch FROM tidemark_epochs WHERE task = ? FOR UPDATE")
@@ -227,7 +267,8 @@ pub async fn reinit(
                 .map_err(failed)?;
             tracing::warn!(task, epoch, table = %table.target, "accumulate totals reset for the new epoch");
         }
-        tx.commit().await.map_err(failed)
+        tx.commit().await.map_err(failed)?;
+        Ok(changes)
     }
     .await;
     target.close().await;

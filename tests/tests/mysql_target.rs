@@ -751,3 +751,91 @@ async fn dead_letters_are_listed_retried_resolved_and_purged_in_a_mariadb_target
             .unwrap();
     assert_eq!(left, vec![("1500".to_string(), "RESOLVED".to_string())]);
 }
+
+/// `tasks reinit` on a MariaDB target after the source gained a column: refused naming the
+/// column without `--alter-target`; with it the column is added in its mapped type, epoch 2
+/// snapshots the table again, and every key carries the new column's value and version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reinit_adds_a_new_source_column_to_a_mariadb_target() {
+    let (target, writer) = writer_target("mi_dst").await;
+    // `--alter-target` alters the table: the README's ALTER grant for it.
+    for host in ["%", "localhost"] {
+        target
+            .exec(&format!(
+                "GRANT ALTER ON `{}`.* TO '{}'@'{host}'",
+                target.name, writer.name
+            ))
+            .await;
+    }
+    let mut cluster = Cluster::new("mi_sync").await;
+    cluster
+        .source
+        .exec(
+            "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, updated_at timestamptz NOT NULL); \
+             INSERT INTO items SELECT i, 'item ' || i, now() - interval '1 hour' + i * interval '1 ms' \
+             FROM generate_series(1, 2000) i",
+        )
+        .await;
+    cluster
+        .start(&TaskSettings {
+            target_url: target.url_as(&writer.name, &writer.password),
+            target_table: "items".into(),
+            shards: 2,
+            page_size: 500,
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 2, &[]);
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    cluster
+        .source
+        .exec(
+            "ALTER TABLE items ADD COLUMN color text DEFAULT 'red'; \
+             UPDATE items SET color = 'blue', updated_at = clock_timestamp() WHERE id % 10 = 0",
+        )
+        .await;
+    let (ok, _, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
+    assert!(
+        !ok && stderr.contains("has no column color") && stderr.contains("--alter-target"),
+        "{stderr}"
+    );
+    let reinit = cluster.cli_json(&["tasks", "reinit", "items", "--alter-target"]);
+    assert_eq!(reinit["epoch"].as_u64(), Some(2), "{reinit}");
+    assert_eq!(
+        reinit["target_changes"],
+        serde_json::json!([format!(
+            "ALTER TABLE `{}`.`items` ADD COLUMN `color` LONGTEXT",
+            target.name
+        )]),
+        "{reinit}"
+    );
+    let now = cluster.source_now_micros().await;
+    cluster
+        .wait_for("epoch 2 past the change", Duration::from_secs(90), |t| {
+            t.epoch == 2 && t.phase != "paused" && t.watermark_micros.is_some_and(|w| w > now)
+        })
+        .await;
+    let expected: BTreeMap<i64, (String, i64)> = sqlx::query_as(
+        "SELECT id, name || '|' || coalesce(color, 'NULL'), (extract(epoch from updated_at) * 1000000)::bigint FROM items",
+    )
+    .fetch_all(&cluster.source.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(id, row, v): (i64, String, i64)| (id, (row, v)))
+    .collect();
+    let actual: BTreeMap<i64, (String, i64)> =
+        sqlx::query_as("SELECT id, CONCAT(name, '|', IFNULL(color, 'NULL')), _tidemark_version FROM items")
+            .fetch_all(&target.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(id, row, v): (i64, String, i64)| (id, (row, v)))
+            .collect();
+    assert_eq!(expected.len(), 2000);
+    assert_eq!(expected[&10].0, "item 10|blue");
+    if let Some(diff) = differences(&expected, &actual) {
+        panic!("after reinit: {diff}");
+    }
+}
