@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Tidemark end to end on this machine: a demo source table in PostgreSQL, etcd, one
 # coordinator and two workers; snapshot, then live updates and inserts; then a per-key
-# verification of target against source. Usage: scripts/demo.sh [--source mariadb] [ROWS]
-# (default 100000 rows; `--source mariadb` reads the table from the machine's MariaDB).
+# verification of target against source. Usage:
+#   scripts/demo.sh [--source mariadb] [--target mariadb] [ROWS]
+# (default 100000 rows; `--source mariadb` reads the table from the machine's MariaDB,
+# `--target mariadb` writes it into a MariaDB database instead of PostgreSQL).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source_engine=postgres
-if [ "${1:-}" = "--source" ]; then source_engine="$2"; shift 2; fi
+target_engine=postgres
+while [ "${1:-}" = "--source" ] || [ "${1:-}" = "--target" ]; do
+  if [ "$1" = "--source" ]; then source_engine="${2:-}"; else target_engine="${2:-}"; fi
+  shift 2
+done
 case "$source_engine" in postgres|mariadb) ;; *) echo "demo: --source is postgres or mariadb" >&2; exit 2 ;; esac
+case "$target_engine" in postgres|mariadb) ;; *) echo "demo: --target is postgres or mariadb" >&2; exit 2 ;; esac
 rows="${1:-100000}"
 mariadb_q() { mariadb -h 127.0.0.1 -u root -N -B "$@"; }
 run=".tidemark-run/demo"
@@ -65,6 +72,14 @@ FROM generate_series(1, $rows) g;
 SQL
 fi
 
+target_url="$pg/tidemark_demo_warehouse"
+target_table="public.items"
+if [ "$target_engine" = mariadb ]; then
+  target_url="mysql://root@127.0.0.1:3306/tidemark_demo_warehouse"
+  target_table="items"
+  mariadb_q -e "DROP DATABASE IF EXISTS tidemark_demo_warehouse; CREATE DATABASE tidemark_demo_warehouse CHARACTER SET utf8mb4"
+fi
+
 cat >"$run/tidemark.toml" <<TOML
 [coordinator]
 listen = "127.0.0.1:7400"
@@ -78,8 +93,8 @@ lease_ttl = "10s"
 name = "items"
 source = "$source_url"
 source_table = "$source_table"
-target = "$pg/tidemark_demo_warehouse"
-target_table = "public.items"
+target = "$target_url"
+target_table = "$target_table"
 key = ["id"]
 cursor_column = "updated_at"
 shards = 8
@@ -129,7 +144,20 @@ echo "demo: watermark $(status_field "t['watermark']") passed the end of the wri
 "$bin/tidemark-coordinator" status --coordinator http://127.0.0.1:7400
 
 echo "demo: per-key verification (every column and the source version)"
-if [ "$source_engine" = mariadb ]; then
+if [ "$target_engine" = mariadb ]; then
+  # Times rendered in UTC on every side; the target stores the source instants' UTC times.
+  if [ "$source_engine" = mariadb ]; then
+    mariadb_q tidemark_demo_app -e "SET time_zone = '+00:00'; SELECT id, name, IFNULL(price, 'NULL'), IFNULL(payload, 'NULL'),
+      LEFT(DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f'), 23), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated_at)
+      FROM items ORDER BY id" >"$run/source.tsv"
+  else
+    psql_q -d tidemark_demo_app -At -c "COPY (SELECT id, name, coalesce(price::text, 'NULL'), coalesce(payload::text, 'NULL'),
+      to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.MS'), (extract(epoch from updated_at) * 1000000)::bigint
+      FROM items ORDER BY id) TO STDOUT" >"$run/source.tsv"
+  fi
+  mariadb_q tidemark_demo_warehouse -e "SELECT id, name, IFNULL(price, 'NULL'), IFNULL(payload, 'NULL'),
+    LEFT(DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f'), 23), _tidemark_version FROM items ORDER BY id" >"$run/target.tsv"
+elif [ "$source_engine" = mariadb ]; then
   # Each side rendered by its own functions: MariaDB's and PostgreSQL's.
   mariadb_q tidemark_demo_app -e "SELECT id, name, IFNULL(price, 'NULL'), IFNULL(payload, 'NULL'),
     LEFT(DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f'), 23),
