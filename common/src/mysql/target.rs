@@ -969,6 +969,65 @@ mod tests {
     }
 
     #[test]
+    fn tombstones_are_kept_delete_what_they_cover_and_block_older_rows() {
+        let mut sql = table(
+            &[
+                ("id", "bigint"),
+                ("name", "text"),
+                ("updated_at", "timestamp with time zone"),
+            ],
+            &["id"],
+        );
+        sql.deletes =
+            crate::pg::deletes::DeleteSql::from_spec("flag", "name", false, &sql.source, &sql.target).unwrap();
+        // Staged layout: columns, version, cursor time, delete flag.
+        let rows: Vec<&[u8]> = vec![b"1\tx\t\\N\t7\t7\tf", b"2\t\\N\t\\N\t9\t9\tt"];
+        let statements = upsert_statements(&sql, false, &rows, Read::Latest).unwrap();
+        assert_eq!(statements.len(), 3, "{statements:#?}");
+        assert!(
+            statements[0].starts_with(
+                "INSERT INTO `dst`.`tidemark_tombstones_items` (`id`, `_tidemark_version`) VALUES ('2',9)"
+            ) && statements[0].ends_with("GREATEST(`_tidemark_version`, VALUES(`_tidemark_version`))"),
+            "{}",
+            statements[0]
+        );
+        assert!(
+            statements[1].starts_with("DELETE t FROM `dst`.`items` t JOIN")
+                && statements[1].ends_with("WHERE t.`_tidemark_version` <= s.`_v`"),
+            "{}",
+            statements[1]
+        );
+        assert!(
+            statements[2].contains("FROM (SELECT '1' AS `_c0`, 'x' AS `_c1`, NULL AS `_c2`, 7 AS `_c3`, 0 AS `_c4`) s")
+                && statements[2].contains(
+                    "WHERE d.`_tidemark_version` IS NULL OR d.`_tidemark_version` < s.`_c3` OR \
+                     (d.`_tidemark_version` = s.`_c3` AND s.`_c4` = 1)"
+                ),
+            "only the live row is upserted, unless a tombstone blocks it: {}",
+            statements[2]
+        );
+    }
+
+    #[test]
+    fn a_repair_replaces_a_row_only_while_it_is_the_version_the_comparison_saw() {
+        let sql = table(
+            &[
+                ("id", "bigint"),
+                ("name", "text"),
+                ("updated_at", "timestamp with time zone"),
+            ],
+            &["id"],
+        );
+        // Staged layout plus the expected target version: a backdated row (5 < 8), a newer
+        // one (9 > 4) and a key the target lacked (no expected version).
+        let rows: Vec<&[u8]> = vec![b"1\tx\t\\N\t5\t5\t8", b"2\ty\t\\N\t9\t9\t4", b"3\tz\t\\N\t6\t6\t\\N"];
+        assert_eq!(
+            repair_statements(&sql, &rows).unwrap(),
+            vec!["DELETE FROM `dst`.`items` WHERE (`id` = '1' AND `_tidemark_version` = 8)".to_string()]
+        );
+    }
+
+    #[test]
     fn large_batches_split_into_statements_of_bounded_size() {
         let sql = table(&[("id", "bigint"), ("name", "text")], &["id"]);
         let text = "y".repeat(1000);
