@@ -839,3 +839,113 @@ async fn reinit_adds_a_new_source_column_to_a_mariadb_target() {
         panic!("after reinit: {diff}");
     }
 }
+
+/// The remaining cells of the pair × mode matrix: MariaDB → MariaDB in append mode (an
+/// AUTO_INCREMENT table paged by key alone, rows inserted while it runs) and PostgreSQL →
+/// MariaDB in accumulate mode (seed 003's job from a PostgreSQL events table): per key, and
+/// per app exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_appends_into_mariadb_and_postgres_accumulates_into_mariadb() {
+    let (source, reader) = reader_source("mx_src").await;
+    let (target, writer) = writer_target("mx_dst").await;
+    source
+        .exec(
+            "CREATE TABLE events (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, payload VARCHAR(50) NOT NULL); \
+             INSERT INTO events (payload) SELECT CONCAT('event ', seq) FROM seq_1_to_5000",
+        )
+        .await;
+    let mut append = Cluster::new("mx_append").await;
+    append
+        .start(&TaskSettings {
+            source_url: source.url_as(&reader.name, &reader.password),
+            target_url: target.url_as(&writer.name, &writer.password),
+            source_table: "events".into(),
+            target_table: "events".into(),
+            cursor_column: String::new(),
+            extra: "mode = \"append\"".into(),
+            shards: 2,
+            page_size: 700,
+            ..TaskSettings::default()
+        })
+        .await;
+    append.spawn_worker("a", 2, &[]);
+    source
+        .exec("INSERT INTO events (payload) SELECT CONCAT('later ', seq) FROM seq_1_to_2000")
+        .await;
+    let expected: BTreeMap<i64, String> = sqlx::query_as("SELECT id, payload FROM events")
+        .fetch_all(&source.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let actual: BTreeMap<i64, String> = sqlx::query_as("SELECT id, payload FROM events")
+            .fetch_all(&target.pool)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        match differences(&expected, &actual) {
+            None => break,
+            Some(diff) => assert!(Instant::now() < deadline, "append: {diff}"),
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    drop(append);
+
+    let mut accumulate = Cluster::new("mx_acc").await;
+    accumulate
+        .source
+        .exec(
+            "CREATE TABLE app_events (id bigint PRIMARY KEY, type integer NOT NULL, event text NOT NULL); \
+             INSERT INTO app_events SELECT i, CASE WHEN i % 10 = 0 THEN 3 ELSE 5 END, \
+             json_build_object('apps', json_build_array(json_build_object('name', 'app-' || i % 13), \
+                                                        json_build_object('name', 'app-' || i % 7)))::text \
+             FROM generate_series(1, 6000) i",
+        )
+        .await;
+    accumulate
+        .start(&TaskSettings {
+            target_url: target.url_as(&writer.name, &writer.password),
+            source_table: "public.app_events".into(),
+            target_table: "app_stat".into(),
+            cursor_column: String::new(),
+            page_size: 1000,
+            shards: 2,
+            extra: "mode = \"accumulate\"\nfilter = \"type = 5\"\n\
+                    transform = { explode = \"$.apps[*].name\", from = \"event\", as = \"app_name\" }\n\
+                    group_by = [\"app_name\"]\naggregates = { app_count = \"count\" }"
+                .into(),
+            ..TaskSettings::default()
+        })
+        .await;
+    accumulate.spawn_worker("a", 2, &[]);
+    let expected: BTreeMap<String, i64> = sqlx::query_as(
+        "SELECT app ->> 'name', count(*) FROM app_events, json_array_elements(event::json -> 'apps') app \
+         WHERE type = 5 GROUP BY 1",
+    )
+    .fetch_all(&accumulate.source.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    assert_eq!(expected.len(), 13);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let counts: BTreeMap<String, i64> = sqlx::query_as("SELECT app_name, CAST(app_count AS SIGNED) FROM app_stat")
+            .fetch_all(&target.pool)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        if counts == expected {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "per app, expected {expected:?}, target {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
