@@ -17,6 +17,17 @@ pub const TABLE: &str = "tidemark_dead_letters";
 /// Removes a task's letters (`$1`): an accumulate task's reinit reads every row again.
 pub const DELETE_TASK_LETTERS: &str = "DELETE FROM tidemark_dead_letters WHERE task = $1";
 pub const STATUSES: [&str; 5] = ["INIT", "RETRY", "PROCESSING", "RESOLVED", "FAILED"];
+/// A status filter as an operator typed it: one of [`STATUSES`], or none.
+pub fn check_status(status: Option<&str>) -> Result<(), String> {
+    match status {
+        Some(status) if !STATUSES.contains(&status) => Err(format!(
+            "unknown status {status:?} (use one of {})",
+            STATUSES.join(", ")
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// A PROCESSING claim older than this belongs to a retry run that died; another may take it.
 pub const STALE_CLAIM_SECS: i64 = 300;
 

@@ -51,14 +51,7 @@ pub async fn list(
     status: Option<&str>,
     limit: u32,
 ) -> Result<Vec<pb::DeadLetter>, CoordinatorError> {
-    if let Some(status) = status
-        && !dead_letters::STATUSES.contains(&status)
-    {
-        return Err(CoordinatorError::InvalidRequest(format!(
-            "unknown status {status:?} (use one of {})",
-            dead_letters::STATUSES.join(", ")
-        )));
-    }
+    dead_letters::check_status(status).map_err(CoordinatorError::InvalidRequest)?;
     let rows = sqlx::query(
         "SELECT key, shard_id, batch_id, payload, error_class, message, status, retry_count, \
          to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), \

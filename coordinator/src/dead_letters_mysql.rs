@@ -25,14 +25,7 @@ pub async fn list(
     status: Option<&str>,
     limit: u32,
 ) -> Result<Vec<pb::DeadLetter>, CoordinatorError> {
-    if let Some(status) = status
-        && !dead_letters::STATUSES.contains(&status)
-    {
-        return Err(CoordinatorError::InvalidRequest(format!(
-            "unknown status {status:?} (use one of {})",
-            dead_letters::STATUSES.join(", ")
-        )));
-    }
+    dead_letters::check_status(status).map_err(CoordinatorError::InvalidRequest)?;
     let rows = sqlx::query(
         "SELECT `key`, shard_id, batch_id, payload, error_class, message, status, retry_count, \
          DATE_FORMAT(created_at, '%Y-%m-%dT%H:%i:%s.%fZ'), DATE_FORMAT(updated_at, '%Y-%m-%dT%H:%i:%s.%fZ'), \

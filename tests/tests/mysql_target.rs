@@ -58,6 +58,24 @@ async fn mariadb_rows(db: &MariaDb, version: &str) -> BTreeMap<i64, Rendered> {
     .collect()
 }
 
+/// `key, row text, version` rows as a map from the key, on either engine.
+async fn keyed<DB, K>(pool: &sqlx::Pool<DB>, sql: &'static str) -> BTreeMap<K, Rendered>
+where
+    DB: sqlx::Database,
+    K: Ord + Send + Unpin,
+    (K, String, i64): for<'r> sqlx::FromRow<'r, DB::Row>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+{
+    sqlx::query_as::<DB, (K, String, i64)>(sql)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(key, row, version)| (key, (row, version)))
+        .collect()
+}
+
 fn differences<K: Ord + std::fmt::Debug + Clone, V: PartialEq + std::fmt::Debug>(
     expected: &BTreeMap<K, V>,
     actual: &BTreeMap<K, V>,
@@ -609,21 +627,12 @@ async fn reconciliation_repairs_drift_in_a_mariadb_target() {
     let run = cluster.reconcile(&["--full"]);
     assert!(run["finished"].as_bool().unwrap(), "{run}");
     assert_eq!(run["keys_repaired"].as_u64().unwrap(), 65, "{run}");
-    let expected: BTreeMap<i64, (String, i64)> =
-        sqlx::query_as("SELECT id, name, (extract(epoch from updated_at) * 1000000)::bigint FROM items")
-            .fetch_all(&cluster.source.pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|(id, name, v): (i64, String, i64)| (id, (name, v)))
-            .collect();
-    let actual: BTreeMap<i64, (String, i64)> = sqlx::query_as("SELECT id, name, _tidemark_version FROM items")
-        .fetch_all(&target.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(id, name, v): (i64, String, i64)| (id, (name, v)))
-        .collect();
+    let expected: BTreeMap<i64, Rendered> = keyed(
+        &cluster.source.pool,
+        "SELECT id, name, (extract(epoch from updated_at) * 1000000)::bigint FROM items",
+    )
+    .await;
+    let actual: BTreeMap<i64, Rendered> = keyed(&target.pool, "SELECT id, name, _tidemark_version FROM items").await;
     assert_eq!(expected.len(), 5960);
     if let Some(diff) = differences(&expected, &actual) {
         panic!("after the reconciliation: {diff}");
@@ -718,22 +727,12 @@ async fn dead_letters_are_listed_retried_resolved_and_purged_in_a_mariadb_target
             "key {key}: {statuses:?}"
         );
     }
-    let expected: BTreeMap<i64, (String, i64)> = sqlx::query_as(
+    let expected: BTreeMap<i64, Rendered> = keyed(
+        &cluster.source.pool,
         "SELECT id, name, (extract(epoch from updated_at) * 1000000)::bigint FROM items WHERE id <> 1500",
     )
-    .fetch_all(&cluster.source.pool)
-    .await
-    .unwrap()
-    .into_iter()
-    .map(|(id, name, v): (i64, String, i64)| (id, (name, v)))
-    .collect();
-    let actual: BTreeMap<i64, (String, i64)> = sqlx::query_as("SELECT id, name, _tidemark_version FROM items")
-        .fetch_all(&target.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(id, name, v): (i64, String, i64)| (id, (name, v)))
-        .collect();
+    .await;
+    let actual: BTreeMap<i64, Rendered> = keyed(&target.pool, "SELECT id, name, _tidemark_version FROM items").await;
     if let Some(diff) = differences(&expected, &actual) {
         panic!("after the retry: {diff}");
     }
@@ -816,23 +815,12 @@ async fn reinit_adds_a_new_source_column_to_a_mariadb_target() {
             t.epoch == 2 && t.phase != "paused" && t.watermark_micros.is_some_and(|w| w > now)
         })
         .await;
-    let expected: BTreeMap<i64, (String, i64)> = sqlx::query_as(
-        "SELECT id, name || '|' || coalesce(color, 'NULL'), (extract(epoch from updated_at) * 1000000)::bigint FROM items",
+    let expected: BTreeMap<i64, Rendered> = keyed(&cluster.source.pool, "SELECT id, name || '|' || coalesce(color, 'NULL'), (extract(epoch from updated_at) * 1000000)::bigint FROM items").await;
+    let actual: BTreeMap<i64, Rendered> = keyed(
+        &target.pool,
+        "SELECT id, CONCAT(name, '|', IFNULL(color, 'NULL')), _tidemark_version FROM items",
     )
-    .fetch_all(&cluster.source.pool)
-    .await
-    .unwrap()
-    .into_iter()
-    .map(|(id, row, v): (i64, String, i64)| (id, (row, v)))
-    .collect();
-    let actual: BTreeMap<i64, (String, i64)> =
-        sqlx::query_as("SELECT id, CONCAT(name, '|', IFNULL(color, 'NULL')), _tidemark_version FROM items")
-            .fetch_all(&target.pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|(id, row, v): (i64, String, i64)| (id, (row, v)))
-            .collect();
+    .await;
     assert_eq!(expected.len(), 2000);
     assert_eq!(expected[&10].0, "item 10|blue");
     if let Some(diff) = differences(&expected, &actual) {
