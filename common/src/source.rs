@@ -9,6 +9,7 @@ use sqlx::postgres::PgPool;
 
 use crate::cursor::{KeyValue, ShardRange};
 use crate::mysql::MySqlStatements;
+use crate::pg::deletes::LogUpper;
 use crate::pg::visibility::{self, PreparedTransaction, Visibility};
 use crate::pg::{TableName, TableSql};
 
@@ -98,6 +99,64 @@ impl SourcePool {
         }
     }
 
+    /// Removes the delete-log entries of `table` older than `cutoff_micros`; how many.
+    pub async fn purge_delete_log(&self, table: &TableName, cutoff_micros: i64) -> Result<u64, sqlx::Error> {
+        match self {
+            SourcePool::Postgres(pool) => {
+                let purged: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(crate::pg::deletes::purge_query(table)))
+                    .bind(cutoff_micros)
+                    .fetch_one(pool)
+                    .await?;
+                Ok(purged.max(0) as u64)
+            }
+            SourcePool::MySql(pool) => {
+                let log = crate::pg::deletes::delete_log_table(table);
+                let done = sqlx::query(sqlx::AssertSqlSafe(crate::mysql::deletes::purge(&log, cutoff_micros)))
+                    .execute(pool)
+                    .await?;
+                Ok(done.rows_affected())
+            }
+        }
+    }
+
+    /// The latest TRUNCATE of `table` a delete-logged source recorded (microseconds), where
+    /// the engine records them (PostgreSQL's statement trigger); `None` elsewhere.
+    pub async fn last_truncate_micros(&self, table: &TableName) -> Result<Option<i64>, sqlx::Error> {
+        match self {
+            SourcePool::Postgres(pool) => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(crate::pg::deletes::last_truncate_query(table)))
+                    .fetch_one(pool)
+                    .await
+            }
+            SourcePool::MySql(_) => Ok(None),
+        }
+    }
+
+    /// An identity of the table's storage that a TRUNCATE changes, where the engine has no
+    /// TRUNCATE trigger (MySQL's InnoDB table id, see `mysql::deletes::table_id_queries`);
+    /// `None` where TRUNCATEs are recorded instead.
+    pub async fn table_identity(&self, table: &TableName) -> Result<Option<String>, sqlx::Error> {
+        match self {
+            SourcePool::Postgres(_) => Ok(None),
+            SourcePool::MySql(pool) => {
+                let mut last = Ok(None);
+                for query in crate::mysql::deletes::table_id_queries(table) {
+                    match sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(query))
+                        .fetch_optional(pool)
+                        .await
+                    {
+                        Ok(Some(id)) => return Ok(Some(id)),
+                        // MariaDB lacks MySQL 8's view and the other way round.
+                        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42S02") => {}
+                        Err(e) => last = Err(e),
+                        Ok(None) => {}
+                    }
+                }
+                last
+            }
+        }
+    }
+
     pub async fn close(&self) {
         match self {
             SourcePool::Postgres(pool) => pool.close().await,
@@ -143,6 +202,24 @@ impl SourceReads {
         match self {
             SourceReads::Postgres => sql.incremental_page_upto(range, t_micros, after_key, high_micros, upto, limit),
             SourceReads::MySql(m) => m.incremental_page(sql, range, t_micros, after_key, high_micros, upto, limit),
+        }
+    }
+
+    /// A page of the trigger-fed delete log `log` (see `pg::deletes`, `mysql::deletes`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn delete_log_page(
+        &self,
+        sql: &TableSql,
+        log: &TableName,
+        range: &ShardRange,
+        t_micros: i64,
+        after_key: Option<&[KeyValue]>,
+        upper: LogUpper<'_>,
+        limit: u32,
+    ) -> String {
+        match self {
+            SourceReads::Postgres => sql.delete_log_page(log, range, t_micros, after_key, upper, limit),
+            SourceReads::MySql(m) => m.delete_log_page(sql, log, range, t_micros, after_key, upper, limit),
         }
     }
 

@@ -61,6 +61,8 @@ pub struct EpochRecord {
     pub incremental_start: Cursor,
     /// The zone of a `timestamp without time zone` cursor (see `TableSql::cursor_zone`).
     pub cursor_zone: Option<String>,
+    /// The source table's storage identity at planning (see `SourcePool::table_identity`).
+    pub source_table_id: Option<String>,
 }
 
 /// A planned epoch, written once.
@@ -78,6 +80,7 @@ pub struct EpochPlan {
     /// `pg_class.reltuples` at planning, when the table was ever analyzed.
     pub estimated_rows: Option<i64>,
     pub cursor_zone: Option<String>,
+    pub source_table_id: Option<String>,
 }
 
 pub struct RegisterBatch<'a> {
@@ -209,8 +212,8 @@ impl ControlDb {
 
     pub async fn current_epoch(&self, task: &str) -> Result<Option<EpochRecord>, CoordinatorError> {
         let row = sqlx::query(
-            "SELECT e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start, e.cursor_zone \
-             FROM tasks t JOIN epochs e ON e.task = t.name AND e.epoch = t.current_epoch WHERE t.name = $1",
+            "SELECT e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start, e.cursor_zone, \
+             e.source_table_id FROM tasks t JOIN epochs e ON e.task = t.name AND e.epoch = t.current_epoch WHERE t.name = $1",
         )
         .bind(task)
         .fetch_optional(&self.pool)
@@ -223,6 +226,7 @@ impl ControlDb {
                 h0_max_key: row.get(3),
                 incremental_start: decode_cursor(row.get(4))?,
                 cursor_zone: row.get(5),
+                source_table_id: row.get(6),
             })
         })
         .transpose()
@@ -296,7 +300,7 @@ impl ControlDb {
     async fn insert_epoch(tx: &mut sqlx::PgConnection, plan: &EpochPlan) -> Result<(), CoordinatorError> {
         sqlx::query(
             "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start, \
-             estimated_rows, cursor_zone) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+             estimated_rows, cursor_zone, source_table_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(&plan.task)
         .bind(plan.epoch as i64)
@@ -307,6 +311,7 @@ impl ControlDb {
         .bind(cursor_json(&plan.incremental_start))
         .bind(plan.estimated_rows)
         .bind(&plan.cursor_zone)
+        .bind(&plan.source_table_id)
         .execute(&mut *tx)
         .await?;
         Self::insert_shards(tx, plan).await

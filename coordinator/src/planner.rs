@@ -422,6 +422,55 @@ async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorEr
     })
 }
 
+/// A MySQL source's delete log exists, the task's account can read and purge it, and it can
+/// read the table id that reveals a TRUNCATE.
+async fn check_mysql_delete_log(
+    config: &TaskConfig,
+    pool: &SourcePool,
+    table: &TableName,
+) -> Result<(), CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let SourcePool::MySql(mysql_pool) = pool else {
+        return Ok(());
+    };
+    let log = delete_log_table(table);
+    let log_sql = format!("{}.{}", mysql::quote_ident(&log.schema), mysql::quote_ident(&log.name));
+    for (probe, privilege) in mysql::deletes::privilege_probes(&log)
+        .into_iter()
+        .zip(["SELECT", "DELETE"])
+    {
+        match sqlx::query(sqlx::AssertSqlSafe(probe)).execute(mysql_pool).await {
+            Ok(_) => {}
+            // ER_NO_SUCH_TABLE
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42S02") => {
+                return Err(setup(format!(
+                    "delete_policy tombstone_table: the delete log {log_sql} does not exist; run \
+                     `tidemark-coordinator source install --task {task}` (again, after an upgrade)"
+                )));
+            }
+            Err(e) => {
+                return Err(setup(format!(
+                    "delete_policy tombstone_table: the task's account cannot {privilege} the delete log \
+                     ({e}): GRANT SELECT, DELETE ON {log_sql} TO …"
+                )));
+            }
+        }
+    }
+    match pool.table_identity(table).await {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err(setup(format!(
+            "delete_policy tombstone_table: InnoDB does not list {table} (information_schema.INNODB_SYS_TABLES or \
+             INNODB_TABLES), so a TRUNCATE, which bypasses the delete log, could not be noticed; the table must \
+             be InnoDB, and its database and table names plain ASCII"
+        ))),
+        Err(e) => Err(setup(format!(
+            "delete_policy tombstone_table: reading {table}'s InnoDB table id, which reveals a TRUNCATE, needs \
+             PROCESS ({e}): GRANT PROCESS ON *.* TO …"
+        ))),
+    }
+}
+
 /// [`inspect_source`] for a MySQL/MariaDB source: every column must map to a PostgreSQL
 /// type, the key must be unique, and the bound must see every writer.
 async fn inspect_mysql_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorError> {
@@ -477,6 +526,9 @@ async fn inspect_mysql_source(config: &TaskConfig) -> Result<SourceInfo, Coordin
         )));
     }
     let pool = SourcePool::MySql(pool);
+    if let Some(DeletePolicy::TombstoneTable { .. }) = &config.delete_policy {
+        check_mysql_delete_log(config, &pool, &table).await?;
+    }
     if config.open_transaction_bound {
         let (seen, _) = pool
             .visibility(&table)
@@ -979,6 +1031,12 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
         }
         _ => None,
     };
+    // Read before the start bound: a TRUNCATE after this changes it (see the watcher).
+    let source_table_id = if matches!(config.delete_policy, Some(DeletePolicy::TombstoneTable { .. })) {
+        source.table_identity(table).await.map_err(reading)?
+    } else {
+        None
+    };
     let h0_time_micros = start_time_micros(source, config, table, pg::timestamp_unit_micros(cursor_type)).await?;
     let (domain, h0_max_key) = match source {
         SourcePool::Postgres(pool) => pg_key_domain(pool, source_info, config).await?,
@@ -1016,6 +1074,7 @@ async fn plan_epoch(source_info: &SourceInfo, config: &TaskConfig, epoch: u64) -
         ranges: plan_ranges(&domain, config.shards).iter().map(|r| r.encode()).collect(),
         estimated_rows,
         cursor_zone,
+        source_table_id,
     })
 }
 

@@ -1,13 +1,17 @@
 //! `tidemark-coordinator source install --task T`: prepares a task's source table for the
 //! contract its configuration claims: the trigger-maintained version column (`version =
 //! "trigger"`) and the trigger-fed delete log (`delete_policy = { kind = "tombstone_table" }`)
-//! with its purge function. Every step is idempotent.
+//! with its purge function, on PostgreSQL and (the delete log) on MySQL/MariaDB. Every step
+//! is idempotent.
 
 use tidemark_common::config::{DeletePolicy, TRIGGER_VERSION_COLUMN, TaskConfig, VersionConfig};
-use tidemark_common::pg::deletes::{delete_log_table, truncate_log_table};
+use tidemark_common::pg::deletes::{delete_log_table, purge_function, truncate_log_table};
 use tidemark_common::pg::{
     TableName, cursor_micros_expr, derived_name, is_naive_timestamp, quote_ident, timestamp_unit_micros,
 };
+
+use tidemark_common::mysql;
+use tidemark_common::source::SourceEngine;
 
 use crate::error::CoordinatorError;
 use crate::planner::{connect_database, introspect};
@@ -51,19 +55,13 @@ fn version_sequence(table: &TableName) -> String {
     )
 }
 
-/// The function the coordinator calls to purge delete-log entries older than a cutoff.
-pub fn purge_function(table: &TableName) -> String {
-    format!(
-        "{}.{}",
-        quote_ident(&table.schema),
-        quote_ident(&derived_name("tidemark_purge_", &table.name, ""))
-    )
-}
-
 /// The delete log: an AFTER DELETE trigger (and an AFTER UPDATE trigger for key changes)
 /// records each removed key with a version above the row's last one and the time, and a
 /// purge function removes entries older than a cutoff.
 async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorError> {
+    if SourceEngine::of_url(&config.source) == Ok(SourceEngine::MySql) {
+        return install_mysql_delete_log(config).await;
+    }
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
     let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
@@ -188,6 +186,84 @@ async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorEr
         "task {task}: deletes from {table} are logged in {log} by trigger {trigger}, TRUNCATEs in {truncates}; {} \
          purges entries",
         purge_function(&table)
+    ))
+}
+
+/// The delete log of a MySQL/MariaDB source (see `tidemark_common::mysql::deletes`): the log
+/// table and two triggers. MySQL's DDL commits as it goes; every step is idempotent, so a
+/// failed install is run again. Creating triggers needs TRIGGER on the table (and, with
+/// binary logging on, SUPER or `log_bin_trust_function_creators`).
+async fn install_mysql_delete_log(config: &TaskConfig) -> Result<String, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let pool = mysql::pool(&config.source, 1).map_err(|e| setup(format!("source URL: {e}")))?;
+    let reading = |e: sqlx::Error| setup(format!("source table {table}: {e}"));
+    let columns = mysql::types::columns(&pool, &table.schema, &table.name)
+        .await
+        .map_err(reading)?
+        .ok_or_else(|| setup(format!("source table {table} does not exist")))?;
+    let column = |name: &str| {
+        columns
+            .iter()
+            .find(|c| c.name == name)
+            .ok_or_else(|| setup(format!("column {name:?} does not exist in {table}")))
+    };
+    let mut keys = Vec::new();
+    for key in &config.key {
+        let (charset, collation): (Option<String>, Option<String>) = sqlx::query_as(mysql::deletes::KEY_COLLATION)
+            .bind(&table.schema)
+            .bind(&table.name)
+            .bind(key)
+            .fetch_one(&pool)
+            .await
+            .map_err(reading)?;
+        keys.push(mysql::deletes::LogKey {
+            column: column(key)?.clone(),
+            charset,
+            collation,
+        });
+    }
+    let cursor = match (&config.version, &config.cursor_column) {
+        (VersionConfig::Cursor, Some(cursor)) => column(cursor)?,
+        _ => {
+            return Err(setup(
+                "contract clause coverage: a MySQL/MariaDB delete log needs version = \"cursor\" (the entry's \
+                 version is above the row's cursor)"
+                    .into(),
+            ));
+        }
+    };
+    let zone = if cursor.is_naive_time() {
+        Some(
+            mysql::inspect::cursor_zone(&pool, config.cursor_time_zone.as_deref())
+                .await
+                .map_err(setup)?
+                .name,
+        )
+    } else {
+        None
+    };
+    let log = delete_log_table(&table);
+    let install = mysql::deletes::DeleteLogInstall {
+        table: &table,
+        log: &log,
+        keys: &keys,
+        cursor,
+        cursor_zone: zone.as_deref(),
+    };
+    for statement in install.statements() {
+        // Trigger bodies hold `;`: sent as text, not prepared (which CREATE TRIGGER is not).
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(&pool)
+            .await
+            .map_err(|e| setup(format!("installing the delete log on {table}: {e}")))?;
+    }
+    pool.close().await;
+    Ok(format!(
+        "task {task}: deletes from {table} (and key changes) are logged in {}.{} by triggers; a TRUNCATE is \
+         noticed by InnoDB's table id and pauses the task; the coordinator purges entries past retention",
+        log.schema, log.name
     ))
 }
 

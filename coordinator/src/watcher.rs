@@ -13,17 +13,16 @@
 
 use std::time::Duration;
 
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use tidemark_common::config::DeletePolicy;
 use tidemark_common::cursor::format_micros;
 use tidemark_common::duration::format_duration;
-use tidemark_common::pg::{self, TableName, TableSql, connect_options, deletes, visibility};
+use tidemark_common::pg::{self, TableName, TableSql, connect_options, visibility};
 
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
 use crate::planner::{self, PreparedTask};
-use crate::source_install::purge_function;
 use tidemark_common::source::{SourceEngine, SourcePool, SourceReads};
 
 pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Leadership) {
@@ -93,12 +92,9 @@ async fn check(
 ) -> Result<(), CoordinatorError> {
     let name = task.config.name.as_str();
     let now: i64 = pool.now_micros().await.map_err(CoordinatorError::Source)?;
-    // The delete log and cursor-value probes are PostgreSQL's (the config refuses a delete
-    // log on other sources; MySQL has no infinite times).
-    let postgres = pool.postgres();
-    if let (Some(DeletePolicy::TombstoneTable { retention }), Some(source)) = (&task.config.delete_policy, postgres) {
-        enforce_retention(control, task, source, now, *retention).await?;
-        check_truncation(control, task, source).await?;
+    if let Some(DeletePolicy::TombstoneTable { retention }) = &task.config.delete_policy {
+        enforce_retention(control, task, pool, now, *retention).await?;
+        check_truncation(control, task, pool).await?;
     }
     if control.paused_reason(name).await?.is_some() {
         return Ok(());
@@ -207,7 +203,7 @@ async fn check(
 async fn enforce_retention(
     control: &ControlDb,
     task: &PreparedTask,
-    source: &PgPool,
+    source: &SourcePool,
     now: i64,
     retention: Duration,
 ) -> Result<(), CoordinatorError> {
@@ -243,13 +239,8 @@ async fn enforce_retention(
         pause(control, name, &reason).await?;
     }
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
-    let purge = format!(
-        "SELECT {}('1970-01-01 00:00:00+00'::timestamptz + $1::bigint * interval '1 microsecond')",
-        purge_function(&table)
-    );
-    let purged: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(purge))
-        .bind(cutoff)
-        .fetch_one(source)
+    let purged = source
+        .purge_delete_log(&table, cutoff)
         .await
         .map_err(CoordinatorError::Source)?;
     if purged > 0 {
@@ -260,19 +251,24 @@ async fn enforce_retention(
 
 /// A TRUNCATE of the source table since the epoch's start bound removed rows the delete log
 /// never saw: the target still holds them, so the task pauses with `reinitialization
-/// required` (the new epoch's snapshot and reconciliation remove them).
-async fn check_truncation(control: &ControlDb, task: &PreparedTask, source: &PgPool) -> Result<(), CoordinatorError> {
+/// required` (the new epoch's snapshot and reconciliation remove them). PostgreSQL records
+/// TRUNCATEs by a statement trigger; MySQL has none, so the table's storage identity
+/// (InnoDB's table id, recorded when the epoch was planned) is compared instead.
+async fn check_truncation(
+    control: &ControlDb,
+    task: &PreparedTask,
+    source: &SourcePool,
+) -> Result<(), CoordinatorError> {
     let name = task.config.name.as_str();
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
-    let truncated: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(deletes::last_truncate_query(&table)))
-        .fetch_one(source)
+    let Some(epoch) = control.current_epoch(name).await? else {
+        return Ok(());
+    };
+    let truncated = source
+        .last_truncate_micros(&table)
         .await
         .map_err(CoordinatorError::Source)?;
-    let start = control
-        .current_epoch(name)
-        .await?
-        .and_then(|e| e.incremental_start.incremental_time());
-    if let (Some(truncated), Some(start)) = (truncated, start)
+    if let (Some(truncated), Some(start)) = (truncated, epoch.incremental_start.incremental_time())
         && truncated >= start
     {
         let reason = format!(
@@ -281,6 +277,21 @@ async fn check_truncation(control: &ControlDb, task: &PreparedTask, source: &PgP
             format_micros(truncated)
         );
         pause(control, name, &reason).await?;
+        return Ok(());
+    }
+    if let Some(planned) = &epoch.source_table_id {
+        let now = source.table_identity(&table).await.map_err(CoordinatorError::Source)?;
+        if now.as_ref() != Some(planned) {
+            let reason = format!(
+                "reinitialization required: {table} was truncated or rebuilt (its InnoDB table id is {} and was {planned} \
+                 when epoch {} was planned; TRUNCATE bypasses the delete log, so the target may still hold removed \
+                 rows, and OPTIMIZE TABLE or ALTER TABLE … FORCE change the id too); run \
+                 `tidemark-coordinator tasks reinit {name}`",
+                now.as_deref().unwrap_or("gone"),
+                epoch.epoch
+            );
+            pause(control, name, &reason).await?;
+        }
     }
     Ok(())
 }

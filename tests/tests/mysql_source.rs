@@ -575,6 +575,134 @@ async fn reconciliation_finds_hard_deletes_with_a_hash_both_engines_share() {
     assert!(!ok && stderr.contains("reconciles versions only"), "{stderr}");
 }
 
+/// The trigger-fed delete log on MariaDB (`source install`): deletes, key changes, keys
+/// deleted and inserted again in one transaction and by REPLACE, per key. The task runs on the README's grants, and is
+/// refused by name without DELETE on the log; entries past retention are purged. A TRUNCATE
+/// (which fires no trigger) pauses the task with `reinitialization required`, and `tasks
+/// reinit` converges per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mariadb_delete_log_deletes_per_key_and_a_truncate_pauses() {
+    let (source, user) = reader_source("my_dlog").await;
+    source.exec(CREATE).await;
+    source.exec(&insert(1, 6000)).await;
+    let mut cluster = Cluster::new("my_dlog").await;
+    let reader = TaskSettings {
+        extra: "delete_policy = { kind = \"tombstone_table\", retention = \"1h\" }".into(),
+        ..settings(&source, &user)
+    };
+    // The install runs as the table's owner; the task as the reader.
+    cluster.write_config(&TaskSettings {
+        source_url: source.url.clone(),
+        ..reader.clone()
+    });
+    let installed = cluster.source_install();
+    assert!(installed.contains("items_tidemark_deletes"), "{installed}");
+    let refused = cluster.refused_start(&reader);
+    let grant = format!("GRANT SELECT, DELETE ON `{}`.`items_tidemark_deletes` TO", source.name);
+    assert!(refused.contains(&grant), "{refused}");
+    for host in ["%", "localhost"] {
+        source
+            .exec(&format!(
+                "GRANT DELETE ON `{}`.`items_tidemark_deletes` TO '{}'@'{host}'",
+                source.name, user.name
+            ))
+            .await;
+    }
+    cluster.start(&reader).await;
+    cluster.spawn_worker("a", 2, &[]);
+    cluster.spawn_worker("b", 2, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(120), |t| t.snapshot_complete)
+        .await;
+    assert_converged(&source, &cluster.target, &[], "after the snapshot").await;
+
+    // Plain deletes across every shard, key changes, and deletes undone in the same
+    // transaction by inserting the keys again.
+    source.exec("DELETE FROM items WHERE id % 17 = 0").await;
+    source
+        .exec("UPDATE items SET id = id + 100000 WHERE id BETWEEN 4001 AND 4040")
+        .await;
+    source
+        .exec(&format!(
+            "BEGIN; DELETE FROM items WHERE id BETWEEN 101 AND 130; {}; COMMIT",
+            insert(101, 130)
+        ))
+        .await;
+    // REPLACE deletes and inserts in one statement (the delete trigger makes InnoDB delete):
+    // the entry's time, taken inside the statement, is above the new row's cursor, so only
+    // the stale-entry rule keeps the re-inserted keys.
+    source.exec(&insert(201, 230).replacen("INSERT", "REPLACE", 1)).await;
+    source.exec("DELETE FROM items WHERE id BETWEEN 5001 AND 5010").await;
+    let end = mariadb_now(&source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(90)).await;
+    assert_converged(
+        &source,
+        &cluster.target,
+        &[],
+        "after deletes, key changes and re-inserts",
+    )
+    .await;
+    for gone in [17, 4001, 5005] {
+        let present: i64 = sqlx::query_scalar("SELECT count(*) FROM items WHERE id = $1")
+            .bind(gone)
+            .fetch_one(&cluster.target.pool)
+            .await
+            .unwrap();
+        assert_eq!(present, 0, "key {gone} was deleted in the source");
+    }
+
+    // An entry past retention is purged by the coordinator (as the reader, with DELETE);
+    // entries within it stay.
+    source
+        .exec("INSERT INTO items_tidemark_deletes (id, version, deleted_at) VALUES (999999, 1, UTC_TIMESTAMP(6) - INTERVAL 2 HOUR)")
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (old, kept): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(SUM(id = 999999) AS SIGNED), CAST(SUM(id <> 999999) AS SIGNED) FROM items_tidemark_deletes",
+        )
+        .fetch_one(&source.pool)
+        .await
+        .unwrap();
+        if old == 0 {
+            assert!(kept >= 350, "entries within retention are kept: {kept}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the entry past retention was not purged");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    source.exec("TRUNCATE items").await;
+    source.exec(&insert(7001, 7020)).await;
+    let paused = cluster
+        .wait_for("paused by the TRUNCATE", Duration::from_secs(60), |t| {
+            t.phase == "paused"
+        })
+        .await;
+    assert!(
+        paused.paused_reason.starts_with("reinitialization required")
+            && paused.paused_reason.contains("truncated or rebuilt")
+            && paused.paused_reason.contains("tasks reinit items"),
+        "{}",
+        paused.paused_reason
+    );
+    let (ok, stdout, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
+    assert!(ok, "reinit: {stderr}");
+    assert!(stdout.contains("epoch 2"), "{stdout}");
+    let now = mariadb_now(&source).await;
+    cluster
+        .wait_for("epoch 2 converged and reconciled", Duration::from_secs(120), |t| {
+            t.epoch == 2
+                && t.phase == "incremental"
+                && t.watermark_micros.is_some_and(|w| w > now)
+                && t.last_reconcile
+                    .as_ref()
+                    .is_some_and(|r| r.reason == "reinit" && r.finished)
+        })
+        .await;
+    assert_converged(&source, &cluster.target, &[], "after the TRUNCATE and reinit").await;
+}
+
 /// Whether a process is stopped (SIGSTOP): state `T` in /proc/PID/stat.
 fn is_stopped(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))

@@ -669,7 +669,8 @@ impl Reader {
             (Some((key, Some(t))), true) => LogUpper::AtMost(*t, key),
             _ => LogUpper::Below(scan.high_micros),
         };
-        let statement = self.sql.delete_log_page(
+        let statement = self.reads.delete_log_page(
+            &self.sql,
             log,
             &self.range,
             scan.t_micros,

@@ -101,7 +101,7 @@ impl MySqlStatements {
 
     /// `(c1, …, cn) > (v1, …, vn)` spelled out lexicographically (`strict = false`: `>=` on
     /// the last column).
-    fn tuple_after(columns: &[String], values: &[String], strict: bool) -> String {
+    pub(super) fn tuple_after(columns: &[String], values: &[String], strict: bool) -> String {
         let mut alternatives = Vec::new();
         for i in 0..columns.len() {
             let mut terms: Vec<String> = (0..i).map(|j| format!("{} = {}", columns[j], values[j])).collect();

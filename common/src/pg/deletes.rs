@@ -52,6 +52,23 @@ pub fn last_truncate_query(source: &TableName) -> String {
     )
 }
 
+/// The purge function's name for a source table (created by `source install`).
+pub fn purge_function(table: &TableName) -> String {
+    format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&super::derived_name("tidemark_purge_", &table.name, ""))
+    )
+}
+
+/// Purges the delete-log entries older than `$1` (microseconds); returns how many.
+pub fn purge_query(table: &TableName) -> String {
+    format!(
+        "SELECT {}('1970-01-01 00:00:00+00'::timestamptz + $1::bigint * interval '1 microsecond')",
+        purge_function(table)
+    )
+}
+
 /// The kept-tombstone table for a target table: `tidemark_tombstones_<table>`, same schema.
 pub fn tombstone_table(target: &TableName) -> TableName {
     TableName {
