@@ -277,6 +277,78 @@ async fn text_keys_in_the_source_collation_and_a_local_datetime_cursor() {
     assert_users_converged(&source, &cluster.target, "after deletes, renames and inserts").await;
 }
 
+/// The delete log with text keys in a case-insensitive collation and a `DATETIME` cursor in
+/// +02:00: a key changed only in case (`'user2…'` → `'USER2…'`, one key to the collation,
+/// two to the target) deletes the old key, and deletes arrive per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mariadb_delete_log_tells_keys_apart_by_their_bytes() {
+    let (source, user) = reader_source("my_dlog_text").await;
+    source
+        .exec(
+            "CREATE TABLE users (
+                email VARCHAR(100) COLLATE utf8mb4_general_ci NOT NULL PRIMARY KEY,
+                name VARCHAR(100) NOT NULL,
+                deleted TINYINT(1) NOT NULL DEFAULT 0,
+                changed DATETIME(6) NOT NULL,
+                KEY users_cursor (changed, email)
+            )",
+        )
+        .await;
+    let local_now = "CONVERT_TZ(UTC_TIMESTAMP(6), '+00:00', '+02:00')";
+    source
+        .exec(&format!(
+            "INSERT INTO users SELECT CONCAT(ELT(1 + seq % 4, 'User', 'user', '\u{c9}mile', 'emile'), seq, '@Example.com'), \
+             CONCAT('name ', seq), 0, {local_now} FROM seq_1_to_6000"
+        ))
+        .await;
+    let mut cluster = Cluster::new("my_dlog_text").await;
+    let reader = TaskSettings {
+        source_table: "users".into(),
+        target_table: "public.users".into(),
+        key: vec!["email".into()],
+        cursor_column: "changed".into(),
+        extra: "cursor_time_zone = \"+02:00\"\ndelete_policy = { kind = \"tombstone_table\", retention = \"1h\" }"
+            .into(),
+        page_size: 500,
+        ..settings(&source, &user)
+    };
+    cluster.write_config(&TaskSettings {
+        source_url: source.url.clone(),
+        ..reader.clone()
+    });
+    cluster.source_install();
+    for host in ["%", "localhost"] {
+        source
+            .exec(&format!(
+                "GRANT DELETE ON `{}`.`users_tidemark_deletes` TO '{}'@'{host}'",
+                source.name, user.name
+            ))
+            .await;
+    }
+    cluster.start(&reader).await;
+    cluster.spawn_worker("a", 2, &[]);
+    cluster.spawn_worker("b", 2, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    assert_users_converged(&source, &cluster.target, "after the snapshot").await;
+
+    source
+        .exec(&format!(
+            "UPDATE users SET email = UPPER(email), changed = {local_now} WHERE email LIKE 'user2%'; \
+             DELETE FROM users WHERE email LIKE '\u{c9}mile3%'"
+        ))
+        .await;
+    let end = mariadb_now(&source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    assert_users_converged(&source, &cluster.target, "after case-only key changes and deletes").await;
+    let old_keys: i64 = sqlx::query_scalar("SELECT count(*) FROM users WHERE email LIKE 'user2%'")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(old_keys, 0, "the keys before their case change are deleted");
+}
+
 async fn assert_users_converged(source: &MariaDb, target: &TestDb, context: &str) {
     let expected: BTreeMap<String, Rendered> = sqlx::query(
         "SELECT email, CONCAT(name, '|', DATE_FORMAT(changed, '%Y-%m-%d %H:%i:%s.%f')), \
