@@ -16,6 +16,7 @@ pub mod id_tail;
 pub mod metrics;
 pub mod mysql;
 pub mod pg;
+pub mod reconcile_reads;
 pub mod redact;
 pub mod source;
 pub mod staging;

@@ -729,6 +729,21 @@ pub const COLUMN_TYPES: &str = "SELECT a.attname::text, format_type(a.atttypid, 
      a.attnotnull FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped \
      ORDER BY a.attnum";
 
+/// A table's columns: name, type (as `format_type` prints it) and whether it is built in.
+pub type ColumnTypes = Vec<(String, String, bool)>;
+
+/// [`ColumnTypes`] of `table`, read on `conn`.
+pub async fn column_types(conn: impl sqlx::PgExecutor<'_>, table: &TableName) -> Result<ColumnTypes, sqlx::Error> {
+    let rows: Vec<(String, String, bool, bool)> = sqlx::query_as(COLUMN_TYPES)
+        .bind(table.quoted())
+        .fetch_all(conn)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, sql_type, built_in, _)| (name, sql_type, built_in))
+        .collect())
+}
+
 impl TableSql {
     /// Whether every task column is in `types` (one table's [`COLUMN_TYPES`]) with the same
     /// type, modifiers included.
@@ -818,6 +833,26 @@ pub fn connect_options(url: &str, application_name: &str) -> Result<sqlx::postgr
         .application_name(application_name)
         .extra_float_digits(3)
         .options(SESSION_SETTINGS.iter().copied()))
+}
+
+/// A lazily connecting pool whose sessions never hold a lock or an idle transaction longer
+/// than `guard` (`lock_timeout`, `idle_in_transaction_session_timeout`): a stopped zombie
+/// cannot block a shard's next owner.
+pub fn guarded_pool(
+    url: &str,
+    application_name: &str,
+    max_connections: u32,
+    guard: std::time::Duration,
+) -> Result<sqlx::postgres::PgPool, String> {
+    let guard_ms = guard.as_millis().max(1000).to_string();
+    let options = connect_options(url, application_name)?.options([
+        ("lock_timeout", guard_ms.as_str()),
+        ("idle_in_transaction_session_timeout", guard_ms.as_str()),
+    ]);
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(std::time::Duration::from_secs(10))
+        .connect_lazy_with(options))
 }
 
 /// One unit of a timestamp type's precision in microseconds: `timestamp(3)` → 1,000. Stored

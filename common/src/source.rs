@@ -50,6 +50,22 @@ pub enum SourcePool {
 }
 
 impl SourcePool {
+    /// A lazily connecting pool to the source at `url`, of the engine its scheme names (see
+    /// [`crate::pg::guarded_pool`] for `guard`; a MySQL source session reads only).
+    pub fn connect_lazy(
+        url: &str,
+        application_name: &str,
+        max_connections: u32,
+        guard: std::time::Duration,
+    ) -> Result<SourcePool, String> {
+        Ok(match SourceEngine::of_url(url)? {
+            SourceEngine::Postgres => {
+                SourcePool::Postgres(crate::pg::guarded_pool(url, application_name, max_connections, guard)?)
+            }
+            SourceEngine::MySql => SourcePool::MySql(crate::mysql::pool(url, max_connections)?),
+        })
+    }
+
     pub fn engine(&self) -> SourceEngine {
         match self {
             SourcePool::Postgres(_) => SourceEngine::Postgres,
@@ -96,6 +112,16 @@ impl SourcePool {
         match self {
             SourcePool::Postgres(pool) => sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_one(pool).await,
             SourcePool::MySql(pool) => sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_one(pool).await,
+        }
+    }
+
+    /// The statements a run reads the epoch's columns (`sql.columns`) with. A MySQL source's
+    /// columns are read again and must still map to the epoch's types: `Ok(Err(reason))`
+    /// when the schema changed.
+    pub async fn reads_for(&self, sql: &TableSql) -> Result<Result<SourceReads, String>, sqlx::Error> {
+        match self {
+            SourcePool::Postgres(_) => Ok(Ok(SourceReads::Postgres)),
+            SourcePool::MySql(pool) => Ok(MySqlStatements::for_epoch(pool, sql).await?.map(SourceReads::MySql)),
         }
     }
 
@@ -154,6 +180,43 @@ impl SourcePool {
                 }
                 last
             }
+        }
+    }
+
+    /// Runs a page statement and returns its rows as COPY bytes (text, or binary where the
+    /// statement asks for it) and, on PostgreSQL, the table's column types read on the same
+    /// session right after the page (a type change is seen by the page it could affect).
+    pub async fn read_copy(
+        &self,
+        statement: &str,
+        table: &TableName,
+    ) -> Result<(bytes::Bytes, Option<crate::pg::ColumnTypes>), sqlx::Error> {
+        match self {
+            SourcePool::Postgres(pool) => {
+                use futures::TryStreamExt;
+                let mut conn = pool.acquire().await?;
+                let mut stream = conn.copy_out_raw(statement).await?;
+                let mut buffer = bytes::BytesMut::new();
+                while let Some(chunk) = stream.try_next().await? {
+                    buffer.extend_from_slice(&chunk);
+                }
+                drop(stream);
+                let types = crate::pg::column_types(&mut *conn, table).await?;
+                Ok((buffer.freeze(), Some(types)))
+            }
+            // The statement renders every field as COPY text of the mapped type.
+            SourcePool::MySql(pool) => Ok((
+                bytes::Bytes::from(crate::mysql::read::copy_text(pool, statement).await?.0),
+                None,
+            )),
+        }
+    }
+
+    /// The table's column types where the engine's pages can be binary (PostgreSQL).
+    pub async fn binary_column_types(&self, table: &TableName) -> Result<Option<crate::pg::ColumnTypes>, sqlx::Error> {
+        match self {
+            SourcePool::Postgres(pool) => Ok(Some(crate::pg::column_types(pool, table).await?)),
+            SourcePool::MySql(_) => Ok(None),
         }
     }
 
@@ -220,6 +283,14 @@ impl SourceReads {
         match self {
             SourceReads::Postgres => sql.delete_log_page(log, range, t_micros, after_key, upper, limit),
             SourceReads::MySql(m) => m.delete_log_page(sql, log, range, t_micros, after_key, upper, limit),
+        }
+    }
+
+    /// The source rows of `keys` in the staged layout (reconciliation's repairs).
+    pub fn rows_by_key(&self, sql: &TableSql, keys: &[Vec<KeyValue>]) -> String {
+        match self {
+            SourceReads::Postgres => sql.rows_by_key(keys),
+            SourceReads::MySql(m) => m.rows_by_key(sql, keys),
         }
     }
 

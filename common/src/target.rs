@@ -15,6 +15,22 @@ pub enum TargetPool {
 }
 
 impl TargetPool {
+    /// A lazily connecting pool to the target at `url`, of the engine its scheme names; no
+    /// session holds a lock or an idle transaction longer than `guard`.
+    pub fn connect_lazy(
+        url: &str,
+        application_name: &str,
+        max_connections: u32,
+        guard: std::time::Duration,
+    ) -> Result<TargetPool, String> {
+        Ok(match SourceEngine::of_url(url)? {
+            SourceEngine::Postgres => {
+                TargetPool::Postgres(crate::pg::guarded_pool(url, application_name, max_connections, guard)?)
+            }
+            SourceEngine::MySql => TargetPool::MySql(crate::mysql::target_pool(url, max_connections, guard.as_secs())?),
+        })
+    }
+
     pub fn engine(&self) -> SourceEngine {
         match self {
             TargetPool::Postgres(_) => SourceEngine::Postgres,
@@ -27,6 +43,17 @@ impl TargetPool {
         match self {
             TargetPool::Postgres(pool) => Ok(pool),
             TargetPool::MySql(_) => Err(format!("{what} is not supported on a MySQL/MariaDB target yet")),
+        }
+    }
+
+    /// The table's column types where the engine takes binary batches (PostgreSQL).
+    pub async fn binary_column_types(
+        &self,
+        table: &crate::pg::TableName,
+    ) -> Result<Option<crate::pg::ColumnTypes>, sqlx::Error> {
+        match self {
+            TargetPool::Postgres(pool) => Ok(Some(crate::pg::column_types(pool, table).await?)),
+            TargetPool::MySql(_) => Ok(None),
         }
     }
 

@@ -34,7 +34,8 @@ use crate::checkpoints::{ControlDb, ShardKey};
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
 use crate::leases::Leases;
-use crate::planner::{PreparedTask, connect_database};
+use crate::planner::PreparedTask;
+use crate::source_pg::connect_database;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]

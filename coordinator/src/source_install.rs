@@ -14,7 +14,7 @@ use tidemark_common::mysql;
 use tidemark_common::source::SourceEngine;
 
 use crate::error::CoordinatorError;
-use crate::planner::{connect_database, introspect};
+use crate::source_pg::{connect_database, introspect};
 
 /// Installs what the task's configuration needs; returns one line per installed part.
 pub async fn install(config: &TaskConfig) -> Result<Vec<String>, CoordinatorError> {
@@ -90,7 +90,7 @@ async fn install_delete_log(config: &TaskConfig) -> Result<String, CoordinatorEr
             let unit = timestamp_unit_micros(cursor_type);
             // The row's cursor as the instant the task reads it as (a naive cursor in its zone).
             let zone = if is_naive_timestamp(cursor_type) {
-                Some(crate::planner::naive_cursor_zone(&source, config, cursor).await?)
+                Some(crate::source_pg::naive_cursor_zone(&source, config, cursor).await?)
             } else {
                 None
             };

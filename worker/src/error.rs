@@ -75,3 +75,12 @@ impl From<tonic::Status> for WorkerError {
         }
     }
 }
+
+impl From<tidemark_common::reconcile_reads::ReadError> for WorkerError {
+    fn from(error: tidemark_common::reconcile_reads::ReadError) -> WorkerError {
+        match error {
+            tidemark_common::reconcile_reads::ReadError::Database(e) => WorkerError::Database(e),
+            tidemark_common::reconcile_reads::ReadError::Unsupported(message) => WorkerError::Assignment(message),
+        }
+    }
+}

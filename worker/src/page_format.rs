@@ -9,10 +9,9 @@
 //! refused and the coordinator pauses the task), and every binary apply checks the target's
 //! (`WorkerError::BinaryTypes`: the batch is abandoned and read again as text).
 
-use sqlx::postgres::{PgExecutor, PgPool};
 use tidemark_common::copy_binary;
 use tidemark_common::copy_format::CopyFormat;
-use tidemark_common::pg::{self, TableName, TableSql};
+use tidemark_common::pg::{ColumnTypes, TableSql};
 use tidemark_common::source::SourcePool;
 
 use crate::apply::TaskWrite;
@@ -23,31 +22,9 @@ use tidemark_common::target::TargetPool;
 /// out); unset or `auto`, the shard chooses.
 const FORMAT_ENV: &str = "TIDEMARK_COPY_FORMAT";
 
-type ColumnTypes = Vec<(String, String, bool)>;
-
-/// Name, type and whether it is built in, per column.
-async fn column_types(conn: impl PgExecutor<'_>, table: &TableName) -> Result<ColumnTypes, sqlx::Error> {
-    let rows: Vec<(String, String, bool, bool)> = sqlx::query_as(pg::COLUMN_TYPES)
-        .bind(table.quoted())
-        .fetch_all(conn)
-        .await?;
-    Ok(rows
-        .into_iter()
-        .map(|(name, sql_type, built_in, _)| (name, sql_type, built_in))
-        .collect())
-}
-
 /// The format this shard's pages are read in. Text when the column types cannot be read
 /// (a database is unreachable): always correct, and the next run chooses again.
 pub async fn choose(sql: &TableSql, write: &TaskWrite, source: &SourcePool, target: &TargetPool) -> CopyFormat {
-    let Some(source) = source.postgres() else {
-        tracing::info!(table = %sql.source, "a MySQL source renders its pages as COPY text");
-        return CopyFormat::Text;
-    };
-    let TargetPool::Postgres(target) = target else {
-        tracing::info!(table = %sql.target, "a MySQL target takes its batches as COPY text");
-        return CopyFormat::Text;
-    };
     match choose_checked(sql, write, source, target).await {
         Ok(format) => format,
         Err(error) => {
@@ -60,8 +37,8 @@ pub async fn choose(sql: &TableSql, write: &TaskWrite, source: &SourcePool, targ
 async fn choose_checked(
     sql: &TableSql,
     write: &TaskWrite,
-    source: &PgPool,
-    target: &PgPool,
+    source: &SourcePool,
+    target: &TargetPool,
 ) -> Result<CopyFormat, WorkerError> {
     let text = |reason: &str| {
         tracing::info!(table = %sql.source, reason, "reading pages as COPY text");
@@ -78,10 +55,16 @@ async fn choose_checked(
     if !sql.key_types().iter().all(|t| copy_binary::decodable(t)) {
         return text("a key column's type has no binary decoder here");
     }
-    if !sql.binary_types_match(&column_types(source, &sql.source).await?, false) {
+    let Some(source_types) = source.binary_column_types(&sql.source).await? else {
+        return text("the source's engine renders its pages as COPY text");
+    };
+    if !sql.binary_types_match(&source_types, false) {
         return text("a source column's type differs from the task's, or is not built in");
     }
-    if !sql.binary_types_match(&column_types(target, &sql.target).await?, true) {
+    let Some(target_types) = target.binary_column_types(&sql.target).await? else {
+        return text("the target's engine takes its batches as COPY text");
+    };
+    if !sql.binary_types_match(&target_types, true) {
         return text("a target column's type differs from the source's");
     }
     tracing::debug!(table = %sql.source, "reading pages as COPY binary");
@@ -92,15 +75,14 @@ async fn choose_checked(
 /// the task's epoch, or the page is refused with `SchemaChanged` (the coordinator pauses the
 /// task with `schema changed`). A binary page also needs them built in. Checked after the
 /// read, a change can only make a page fail, never pass one of other types.
-pub async fn check_source(conn: impl PgExecutor<'_>, sql: &TableSql, format: CopyFormat) -> Result<(), WorkerError> {
-    let types = column_types(conn, &sql.source).await?;
-    if !sql.columns_match(&types) {
+pub fn check_source(types: &ColumnTypes, sql: &TableSql, format: CopyFormat) -> Result<(), WorkerError> {
+    if !sql.columns_match(types) {
         return Err(WorkerError::SchemaChanged(format!(
             "page refused: a column of {} was dropped, renamed or changed its type since the epoch was planned",
             sql.source
         )));
     }
-    if format == CopyFormat::Binary && !sql.binary_types_match(&types, false) {
+    if format == CopyFormat::Binary && !sql.binary_types_match(types, false) {
         return Err(WorkerError::BinaryTypes(format!(
             "a column of {} is no longer of a built-in type",
             sql.source
@@ -113,8 +95,8 @@ pub async fn check_source(conn: impl PgExecutor<'_>, sql: &TableSql, format: Cop
 /// can come between this check and the writes): the target's columns have the batch's types.
 /// Also before a binary batch's rows are isolated: a target column whose type changed rejects
 /// every row, which is no row's fault.
-pub async fn check_target(conn: impl PgExecutor<'_>, sql: &TableSql) -> Result<(), WorkerError> {
-    if sql.binary_types_match(&column_types(conn, &sql.target).await?, true) {
+pub fn check_target(types: &ColumnTypes, sql: &TableSql) -> Result<(), WorkerError> {
+    if sql.binary_types_match(types, true) {
         return Ok(());
     }
     Err(WorkerError::BinaryTypes(format!(

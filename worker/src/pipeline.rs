@@ -224,34 +224,13 @@ impl ShardRun {
         })
     }
 
-    /// The statements this run reads the source with. A MySQL source's columns are read again
-    /// and must still map to the epoch's types (else the schema changed).
+    /// The statements this run reads the source with (checked against the epoch's columns).
     async fn source_reads(&self) -> Result<SourceReads, WorkerError> {
-        let SourcePool::MySql(pool) = &self.resources.source else {
-            return Ok(SourceReads::Postgres);
-        };
-        let table = &self.sql.source;
-        let found = tidemark_common::mysql::types::columns(pool, &table.schema, &table.name)
+        self.resources
+            .source
+            .reads_for(&self.sql)
             .await?
-            .ok_or_else(|| WorkerError::SchemaChanged(format!("source table {table} does not exist")))?;
-        let mut columns = Vec::new();
-        for epoch_column in &self.sql.columns {
-            let column = found.iter().find(|c| c.name == epoch_column.name).ok_or_else(|| {
-                WorkerError::SchemaChanged(format!("column {:?} of {table} is gone", epoch_column.name))
-            })?;
-            let mapped = column.target_type().map_err(WorkerError::SchemaChanged)?;
-            if mapped != epoch_column.sql_type {
-                return Err(WorkerError::SchemaChanged(format!(
-                    "column {:?} of {table} is {} ({mapped}) where the epoch's is {}",
-                    column.name, column.column_type, epoch_column.sql_type
-                )));
-            }
-            columns.push(column.clone());
-        }
-        Ok(SourceReads::MySql(tidemark_common::mysql::MySqlStatements {
-            table: table.clone(),
-            columns,
-        }))
+            .map_err(WorkerError::SchemaChanged)
     }
 
     /// Runs until the shard is lost, an error ends it, or `stop` turns true (then it returns

@@ -14,16 +14,11 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use bytes::Bytes;
-use sqlx::Row;
-use sqlx::postgres::PgPool;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::copy_text;
 use tidemark_common::cursor::{KeyValue, ShardRange};
-use tidemark_common::mysql::MySqlStatements;
-use tidemark_common::mysql::reconcile::TargetStatements;
 use tidemark_common::pg::reconcile::{Scope, Side};
-use tidemark_common::source::{SourcePool, SourceReads};
-use tidemark_common::target::TargetPool;
+use tidemark_common::reconcile_reads::SideReads;
 use tidemark_proto::v1 as pb;
 
 use crate::client::CoordinatorClient;
@@ -100,7 +95,8 @@ impl ShardRun {
         since_micros: Option<i64>,
         content: bool,
     ) -> Result<Outcome, WorkerError> {
-        if content && (self.mysql_source().is_some() || self.mysql_target().is_some()) {
+        let portable = self.portable()?;
+        if content && portable {
             // The coordinator refuses such runs; never compare less than was asked.
             return Err(WorkerError::Assignment(
                 "a MySQL/MariaDB source or target reconciles versions only (reconcile_compare = \"versions\")".into(),
@@ -115,7 +111,7 @@ impl ShardRun {
                 range: &range,
                 since_micros,
                 content,
-                portable: self.mysql_source().is_some() || self.mysql_target().is_some(),
+                portable,
             };
             let (source_count, target_count) = match known {
                 Some(counts) => counts,
@@ -175,69 +171,21 @@ impl ShardRun {
         Ok(outcome)
     }
 
-    fn side_pool(&self, side: Side) -> Result<&PgPool, WorkerError> {
-        match side {
-            // The planner refuses reconciliation on other sources (no shared bucket hash yet).
-            Side::Source => self
-                .resources
-                .source
-                .postgres()
-                .ok_or_else(|| WorkerError::Assignment("reconciliation reads a PostgreSQL source only".into())),
-            Side::Target => self
-                .resources
-                .target
-                .postgres("reconciliation")
-                .map_err(WorkerError::Assignment),
-        }
+    /// What reconciliation reads of one side.
+    fn side(&self, side: Side) -> Result<SideReads<'_>, WorkerError> {
+        Ok(match side {
+            Side::Source => SideReads::source(&self.resources.source, &self.reads, &self.sql)?,
+            Side::Target => SideReads::target(&self.resources.target, &self.sql),
+        })
     }
 
-    /// The target's pool, when the target is MySQL/MariaDB (its statements:
-    /// [`TargetStatements`]).
-    fn mysql_target(&self) -> Option<&sqlx::MySqlPool> {
-        match &self.resources.target {
-            TargetPool::MySql(pool) => Some(pool),
-            TargetPool::Postgres(_) => None,
-        }
-    }
-
-    /// The MySQL source and its statements, when the source is MySQL/MariaDB.
-    fn mysql_source(&self) -> Option<(&sqlx::MySqlPool, &MySqlStatements)> {
-        match (&self.resources.source, &self.reads) {
-            (SourcePool::MySql(pool), SourceReads::MySql(statements)) => Some((pool, statements)),
-            _ => None,
-        }
+    /// Both sides hash every column's content alike only when both are PostgreSQL.
+    fn portable(&self) -> Result<bool, WorkerError> {
+        Ok(!(self.side(Side::Source)?.hashes_content() && self.side(Side::Target)?.hashes_content()))
     }
 
     async fn sums(&self, side: Side, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<Sums, WorkerError> {
-        if let (Side::Target, Some(pool)) = (side, self.mysql_target()) {
-            let statement = TargetStatements { sql: &self.sql }
-                .checksum_buckets(scope, thresholds)
-                .map_err(WorkerError::Assignment)?;
-            let rows: Vec<(i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_all(pool).await?;
-            return Ok(rows
-                .into_iter()
-                .map(|(bucket, count, hash)| (bucket as i32, (count, hash)))
-                .collect());
-        }
-        if let (Side::Source, Some((pool, mysql))) = (side, self.mysql_source()) {
-            let rows: Vec<(i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(
-                mysql.checksum_buckets(&self.sql, scope, thresholds),
-            ))
-            .fetch_all(pool)
-            .await?;
-            return Ok(rows
-                .into_iter()
-                .map(|(bucket, count, hash)| (bucket as i32, (count, hash)))
-                .collect());
-        }
-        let statement = self.sql.checksum_buckets(side, scope, thresholds);
-        let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
-            .fetch_all(self.side_pool(side)?)
-            .await?;
-        Ok(rows
-            .into_iter()
-            .map(|row| (row.get::<i32, _>(0), (row.get::<i64, _>(1), row.get::<String, _>(2))))
-            .collect())
+        Ok(self.side(side)?.bucket_sums(scope, thresholds).await?)
     }
 
     /// Split points inside the scope: even steps for integer keys, sampled quantiles (from the
@@ -253,25 +201,7 @@ impl ShardRun {
             let mut lo = i64::MAX;
             let mut hi = i64::MIN;
             for side in [Side::Source, Side::Target] {
-                let (min, max): (Option<String>, Option<String>) =
-                    match (side, self.mysql_source(), self.mysql_target()) {
-                        (Side::Source, Some((pool, mysql)), _) => {
-                            sqlx::query_as(sqlx::AssertSqlSafe(mysql.key_bounds(&self.sql, scope)))
-                                .fetch_one(pool)
-                                .await?
-                        }
-                        (Side::Target, _, Some(pool)) => {
-                            let statement = TargetStatements { sql: &self.sql }
-                                .key_bounds(scope)
-                                .map_err(WorkerError::Assignment)?;
-                            sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_one(pool).await?
-                        }
-                        _ => {
-                            sqlx::query_as(sqlx::AssertSqlSafe(self.sql.key_bounds(side, scope)))
-                                .fetch_one(self.side_pool(side)?)
-                                .await?
-                        }
-                    };
+                let (min, max) = self.side(side)?.key_bounds(scope).await?;
                 let parse = |t: Option<String>| t.and_then(|t| t.parse::<i64>().ok());
                 if let (Some(min), Some(max)) = (parse(min), parse(max)) {
                     lo = lo.min(min);
@@ -289,10 +219,7 @@ impl ShardRun {
             }
         } else {
             let side = if source_is_larger { Side::Source } else { Side::Target };
-            let quantiles: Option<Vec<String>> =
-                sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql.key_quantiles(side, scope, SPLIT)))
-                    .fetch_one(self.side_pool(side)?)
-                    .await?;
+            let quantiles = self.side(side)?.key_quantiles(scope, SPLIT).await?;
             for q in quantiles.unwrap_or_default() {
                 if points.last() != Some(&q) && scope.range.lo.as_ref().is_none_or(|lo| lo.value != q) {
                     points.push(q);
@@ -310,49 +237,8 @@ impl ShardRun {
         outcome: &mut Outcome,
         repairs: &mut Vec<Repair>,
     ) -> Result<(), WorkerError> {
-        let read = |side: Side| {
-            let statement = self.sql.key_versions(side, scope);
-            let pool = self.side_pool(side).cloned();
-            async move {
-                let pool = pool?;
-                let rows = sqlx::query(sqlx::AssertSqlSafe(statement)).fetch_all(&pool).await?;
-                Ok::<HashMap<Vec<String>, (i64, i64)>, WorkerError>(
-                    rows.into_iter()
-                        .map(|row| {
-                            (
-                                row.get::<Vec<String>, _>(0),
-                                (row.get::<i64, _>(1), row.get::<i64, _>(2)),
-                            )
-                        })
-                        .collect(),
-                )
-            }
-        };
-        let source = match self.mysql_source() {
-            Some((pool, mysql)) => {
-                let rows: Vec<(String, i64, i64)> =
-                    sqlx::query_as(sqlx::AssertSqlSafe(mysql.key_versions(&self.sql, scope)))
-                        .fetch_all(pool)
-                        .await?;
-                rows.into_iter()
-                    .map(|(key, version, content)| (vec![key], (version, content)))
-                    .collect()
-            }
-            None => read(Side::Source).await?,
-        };
-        let target = match self.mysql_target() {
-            Some(pool) => {
-                let statement = TargetStatements { sql: &self.sql }
-                    .key_versions(scope)
-                    .map_err(WorkerError::Assignment)?;
-                let rows: Vec<(String, i64, i64)> =
-                    sqlx::query_as(sqlx::AssertSqlSafe(statement)).fetch_all(pool).await?;
-                rows.into_iter()
-                    .map(|(key, version, content)| (vec![key], (version, content)))
-                    .collect()
-            }
-            None => read(Side::Target).await?,
-        };
+        let source = self.side(Side::Source)?.key_versions(scope).await?;
+        let target = self.side(Side::Target)?.key_versions(scope).await?;
         outcome.rows_read += (source.len() + target.len()) as u64;
         let key_types = self.sql.key_types();
         let to_key = |values: &[String]| -> Vec<KeyValue> {
@@ -400,10 +286,7 @@ impl ShardRun {
         let page = read_page(
             &self.resources.source,
             &self.sql,
-            &match self.mysql_source() {
-                Some((_, mysql)) => mysql.rows_by_key(&self.sql, &keys),
-                None => self.sql.rows_by_key(&keys),
-            },
+            &self.reads.rows_by_key(&self.sql, &keys),
             CopyFormat::Text,
             false,
         )

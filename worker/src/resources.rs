@@ -4,9 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::{PgPool, PgPoolOptions};
-use tidemark_common::pg::connect_options;
-use tidemark_common::source::{SourceEngine, SourcePool};
+use tidemark_common::source::SourcePool;
 use tidemark_common::staging::Staging;
 use tidemark_common::target::TargetPool;
 use tidemark_proto::v1 as pb;
@@ -36,33 +34,13 @@ impl ResourceCache {
         }
         // Sessions never hold locks or idle transactions longer than half a lease, so a
         // stopped zombie cannot block the shard's next owner.
-        let guard_ms = (spec.lease_ttl_ms / 2).max(1000).to_string();
-        let pool = |url: &str| -> Result<PgPool, WorkerError> {
-            let options = connect_options(url, "tidemark-worker")
-                .map_err(WorkerError::Assignment)?
-                .options([
-                    ("lock_timeout", guard_ms.as_str()),
-                    ("idle_in_transaction_session_timeout", guard_ms.as_str()),
-                ]);
-            Ok(PgPoolOptions::new()
-                .max_connections(max_shards + 1)
-                .acquire_timeout(Duration::from_secs(10))
-                .connect_lazy_with(options))
-        };
+        let guard = Duration::from_millis(spec.lease_ttl_ms / 2);
+        let max = max_shards + 1;
         let resources = TaskResources {
-            source: match SourceEngine::of_url(&spec.source_url).map_err(WorkerError::Assignment)? {
-                SourceEngine::Postgres => SourcePool::Postgres(pool(&spec.source_url)?),
-                SourceEngine::MySql => SourcePool::MySql(
-                    tidemark_common::mysql::pool(&spec.source_url, max_shards + 1).map_err(WorkerError::Assignment)?,
-                ),
-            },
-            target: match SourceEngine::of_url(&spec.target_url).map_err(WorkerError::Assignment)? {
-                SourceEngine::Postgres => TargetPool::Postgres(pool(&spec.target_url)?),
-                SourceEngine::MySql => TargetPool::MySql(
-                    tidemark_common::mysql::target_pool(&spec.target_url, max_shards + 1, spec.lease_ttl_ms / 2000)
-                        .map_err(WorkerError::Assignment)?,
-                ),
-            },
+            source: SourcePool::connect_lazy(&spec.source_url, "tidemark-worker", max, guard)
+                .map_err(WorkerError::Assignment)?,
+            target: TargetPool::connect_lazy(&spec.target_url, "tidemark-worker", max, guard)
+                .map_err(WorkerError::Assignment)?,
             staging: Staging::open(&spec.staging_url)?,
         };
         tasks.insert(spec.name.clone(), resources.clone());

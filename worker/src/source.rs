@@ -1,8 +1,8 @@
-//! Reading the source: one page per `COPY (SELECT … ORDER BY … LIMIT n) TO STDOUT` (text or
-//! binary), streamed into memory as the staged bytes, plus the position of the page's last row.
+//! Reading the source: one page per statement (`COPY (SELECT … ORDER BY … LIMIT n) TO STDOUT`
+//! on PostgreSQL, text or binary; a SELECT rendering COPY text on MySQL), read into memory as
+//! the staged bytes, plus the position of the page's last row.
 
-use bytes::{Bytes, BytesMut};
-use futures::TryStreamExt;
+use bytes::Bytes;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::KeyValue;
 use tidemark_common::pg::TableSql;
@@ -47,21 +47,10 @@ pub async fn read_page(
     format: CopyFormat,
     target_layout: bool,
 ) -> Result<Page, WorkerError> {
-    let data = match source {
-        SourcePool::Postgres(pool) => {
-            let mut conn = pool.acquire().await?;
-            let mut stream = conn.copy_out_raw(statement).await?;
-            let mut buffer = BytesMut::new();
-            while let Some(chunk) = stream.try_next().await? {
-                buffer.extend_from_slice(&chunk);
-            }
-            drop(stream);
-            crate::page_format::check_source(&mut *conn, sql, format).await?;
-            buffer.freeze()
-        }
-        // The statement renders every field as COPY text of the mapped type.
-        SourcePool::MySql(pool) => Bytes::from(tidemark_common::mysql::read::copy_text(pool, statement).await?.0),
-    };
+    let (data, types) = source.read_copy(statement, &sql.source).await?;
+    if let Some(types) = types {
+        crate::page_format::check_source(&types, sql, format)?;
+    }
     let rows = format.rows(&data).map_err(WorkerError::Data)?;
     let last = match rows.last() {
         None => None,

@@ -20,6 +20,39 @@ pub struct MySqlStatements {
 }
 
 impl MySqlStatements {
+    /// The statements for the epoch's columns (`sql.columns`, in order) as the table has them
+    /// now; `Ok(Err(reason))` when one is gone or no longer maps to the epoch's type.
+    pub async fn for_epoch(
+        pool: &sqlx::MySqlPool,
+        sql: &TableSql,
+    ) -> Result<Result<MySqlStatements, String>, sqlx::Error> {
+        let table = &sql.source;
+        let Some(found) = super::types::columns(pool, &table.schema, &table.name).await? else {
+            return Ok(Err(format!("source table {table} does not exist")));
+        };
+        let mut columns = Vec::new();
+        for epoch_column in &sql.columns {
+            let Some(column) = found.iter().find(|c| c.name == epoch_column.name) else {
+                return Ok(Err(format!("column {:?} of {table} is gone", epoch_column.name)));
+            };
+            let mapped = match column.target_type() {
+                Ok(mapped) => mapped,
+                Err(reason) => return Ok(Err(reason)),
+            };
+            if mapped != epoch_column.sql_type {
+                return Ok(Err(format!(
+                    "column {:?} of {table} is {} ({mapped}) where the epoch's is {}",
+                    column.name, column.column_type, epoch_column.sql_type
+                )));
+            }
+            columns.push(column.clone());
+        }
+        Ok(Ok(MySqlStatements {
+            table: table.clone(),
+            columns,
+        }))
+    }
+
     pub(super) fn column(&self, name: &str) -> &SourceColumn {
         self.columns
             .iter()

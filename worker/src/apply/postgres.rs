@@ -7,7 +7,7 @@ use sqlx::postgres::{PgPool, Postgres};
 use tidemark_common::batch::Manifest;
 use tidemark_common::dead_letters::{self, DeadLetter};
 use tidemark_common::pg::accumulate::AccumulateSql;
-use tidemark_common::pg::{Read, TableSql};
+use tidemark_common::pg::{self, Read, TableSql};
 use tidemark_common::transform::{AccumulateSpec, Deltas};
 use tidemark_common::write::{self, WriteError};
 
@@ -115,7 +115,8 @@ impl TargetTx for PgTx {
     }
 
     async fn check_types(&mut self, batch: &BatchToApply<'_>) -> Result<(), WorkerError> {
-        crate::page_format::check_target(&mut *self.0, batch.sql).await
+        let types = pg::column_types(&mut *self.0, &batch.sql.target).await?;
+        crate::page_format::check_target(&types, batch.sql)
     }
 
     async fn insert_dead_letters(
