@@ -13,6 +13,7 @@ pub mod cursor_zone;
 pub mod deletes;
 pub mod reconcile;
 pub mod visibility;
+pub mod write;
 
 pub use deletes::{DeleteSource, DeleteSql};
 

@@ -125,6 +125,58 @@ impl SourcePool {
         }
     }
 
+    /// Whether a driver error is worth retrying on this engine.
+    pub fn is_transient(&self, error: &sqlx::Error) -> bool {
+        match self {
+            SourcePool::Postgres(_) => crate::pg::is_transient(error),
+            SourcePool::MySql(_) => crate::mysql::is_transient(error),
+        }
+    }
+
+    /// Statements on `table` that need none of its columns (the key sample).
+    pub fn bare_reads(&self, table: &TableName) -> SourceReads {
+        match self {
+            SourcePool::Postgres(_) => SourceReads::Postgres,
+            SourcePool::MySql(_) => SourceReads::MySql(MySqlStatements {
+                table: table.clone(),
+                columns: Vec::new(),
+            }),
+        }
+    }
+
+    /// The cursor's infinite values, where the engine has them (PostgreSQL), and its newest
+    /// finite time (microseconds); `None` when the cursor column is gone (the schema check
+    /// pauses the task).
+    pub async fn cursor_extremes(
+        &self,
+        sql: &TableSql,
+    ) -> Result<Option<(Option<Vec<String>>, Option<i64>)>, sqlx::Error> {
+        match self {
+            SourcePool::Postgres(pool) => Ok(Some(
+                sqlx::query_as(sqlx::AssertSqlSafe(sql.cursor_extremes()))
+                    .fetch_one(pool)
+                    .await?,
+            )),
+            SourcePool::MySql(pool) => {
+                let table = &sql.source;
+                let columns = crate::mysql::types::columns(pool, &table.schema, &table.name)
+                    .await?
+                    .unwrap_or_default();
+                if !columns.iter().any(|c| Some(&c.name) == sql.cursor_column.as_ref()) {
+                    return Ok(None);
+                }
+                let reads = MySqlStatements {
+                    table: table.clone(),
+                    columns,
+                };
+                let newest: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(reads.newest_cursor(sql)))
+                    .fetch_one(pool)
+                    .await?;
+                Ok(Some((None, newest)))
+            }
+        }
+    }
+
     /// Removes the delete-log entries of `table` older than `cutoff_micros`; how many.
     pub async fn purge_delete_log(&self, table: &TableName, cutoff_micros: i64) -> Result<u64, sqlx::Error> {
         match self {

@@ -3,8 +3,8 @@
 
 pub mod admin_cli;
 pub mod checkpoints;
-pub mod dead_letters;
 pub mod dead_letters_mysql;
+pub mod dead_letters_pg;
 pub mod error;
 pub mod janitor;
 pub mod leader;

@@ -72,7 +72,7 @@ impl CoordinatorService {
         };
         let counts = async {
             match target {
-                TargetPool::Postgres(pool) => crate::dead_letters::counts(pool, task).await,
+                TargetPool::Postgres(pool) => crate::dead_letters_pg::counts(pool, task).await,
                 TargetPool::MySql(pool) => crate::target_mysql::dead_letter_counts(pool, task).await,
             }
         };
@@ -863,7 +863,7 @@ impl AdminService for CoordinatorService {
         let limit = if request.limit == 0 { 100 } else { request.limit };
         let letters = match self.target_pool(&request.task)? {
             TargetPool::Postgres(pool) => {
-                crate::dead_letters::list(pool, &request.task, status.as_deref(), limit).await?
+                crate::dead_letters_pg::list(pool, &request.task, status.as_deref(), limit).await?
             }
             TargetPool::MySql(pool) => {
                 crate::dead_letters_mysql::list(pool, &request.task, status.as_deref(), limit).await?
@@ -880,7 +880,7 @@ impl AdminService for CoordinatorService {
         let task = self.task(&request.task)?;
         let response = match self.target_pool(&request.task)? {
             TargetPool::Postgres(pool) => {
-                crate::dead_letters::retry(&self.inner.control, pool, task, &request.keys).await?
+                crate::dead_letters_pg::retry(&self.inner.control, pool, task, &request.keys).await?
             }
             TargetPool::MySql(pool) => crate::dead_letters_mysql::retry(pool, task, &request.keys).await?,
         };
@@ -894,7 +894,7 @@ impl AdminService for CoordinatorService {
         let request = request.into_inner();
         let resolved = match self.target_pool(&request.task)? {
             TargetPool::Postgres(pool) => {
-                crate::dead_letters::resolve(pool, &request.task, &request.keys, request.all_failed).await?
+                crate::dead_letters_pg::resolve(pool, &request.task, &request.keys, request.all_failed).await?
             }
             TargetPool::MySql(pool) => {
                 crate::dead_letters_mysql::resolve(pool, &request.task, &request.keys, request.all_failed).await?
@@ -911,7 +911,7 @@ impl AdminService for CoordinatorService {
         let request = request.into_inner();
         let older_than = std::time::Duration::from_millis(request.older_than_ms);
         let purged = match self.target_pool(&request.task)? {
-            TargetPool::Postgres(pool) => crate::dead_letters::purge(pool, &request.task, older_than).await?,
+            TargetPool::Postgres(pool) => crate::dead_letters_pg::purge(pool, &request.task, older_than).await?,
             TargetPool::MySql(pool) => crate::dead_letters_mysql::purge(pool, &request.task, older_than).await?,
         };
         tracing::info!(task = %request.task, purged, "resolved dead letters purged by the operator");

@@ -13,26 +13,21 @@
 
 use std::time::Duration;
 
-use sqlx::postgres::PgPoolOptions;
 use tidemark_common::config::DeletePolicy;
 use tidemark_common::cursor::format_micros;
 use tidemark_common::duration::format_duration;
-use tidemark_common::pg::{self, TableName, TableSql, connect_options, visibility};
+use tidemark_common::pg::{TableName, TableSql, visibility};
 
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
 use crate::planner::{self, PreparedTask};
-use tidemark_common::source::{SourceEngine, SourcePool, SourceReads};
+use tidemark_common::source::SourcePool;
 
 pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Leadership) {
     let name = task.config.name.clone();
-    let pool = match SourceEngine::of_url(&task.config.source) {
-        Ok(SourceEngine::Postgres) => connect_options(&task.config.source, "tidemark-coordinator")
-            .map(|options| SourcePool::Postgres(PgPoolOptions::new().max_connections(1).connect_lazy_with(options))),
-        Ok(SourceEngine::MySql) => tidemark_common::mysql::pool(&task.config.source, 1).map(SourcePool::MySql),
-        Err(error) => Err(error),
-    };
+    // One session; it only reads, so the guard (lock and idle-transaction timeouts) is moot.
+    let pool = SourcePool::connect_lazy(&task.config.source, "tidemark-coordinator", 1, Duration::from_secs(60));
     let pool = match pool {
         Ok(pool) => pool,
         Err(error) => {
@@ -56,11 +51,7 @@ pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Le
         // A check that keeps failing the same way (a missing grant, a dropped log) leaves the
         // task unwatched: no retention, TRUNCATE, visibility or cursor check runs. Never in
         // silence: pause it with the error.
-        let persistent = match (&error, &pool) {
-            (CoordinatorError::Source(e), SourcePool::Postgres(_)) => !pg::is_transient(e),
-            (CoordinatorError::Source(e), SourcePool::MySql(_)) => !tidemark_common::mysql::is_transient(e),
-            _ => false,
-        };
+        let persistent = matches!(&error, CoordinatorError::Source(e) if !pool.is_transient(e));
         failing = if persistent { failing + 1 } else { 0 };
         if failing == MAX_FAILED_CHECKS {
             let reason = format!(
@@ -158,13 +149,7 @@ async fn check(
     }
     if task.config.mode.appends() {
         let key = &task.config.key[0];
-        let reads = match pool {
-            SourcePool::Postgres(_) => SourceReads::Postgres,
-            SourcePool::MySql(_) => SourceReads::MySql(tidemark_common::mysql::MySqlStatements {
-                table: table.clone(),
-                columns: Vec::new(),
-            }),
-        };
+        let reads = pool.bare_reads(&table);
         let (source_max, _) = pool
             .key_sample(&reads, &planner::table_sql(task)?)
             .await
@@ -319,31 +304,8 @@ async fn impossible_cursor_values(
         cursor_zone: epoch.cursor_zone.clone(),
         ..planner::table_sql(task)?
     };
-    let (infinite, newest): (Option<Vec<String>>, Option<i64>) = match source {
-        SourcePool::Postgres(pool) => sqlx::query_as(sqlx::AssertSqlSafe(sql.cursor_extremes()))
-            .fetch_one(pool)
-            .await
-            .map_err(CoordinatorError::Source)?,
-        SourcePool::MySql(pool) => {
-            let table = &sql.source;
-            let columns = tidemark_common::mysql::types::columns(pool, &table.schema, &table.name)
-                .await
-                .map_err(CoordinatorError::Source)?
-                .unwrap_or_default();
-            if !columns.iter().any(|c| Some(&c.name) == sql.cursor_column.as_ref()) {
-                // Gone: the schema check pauses the task.
-                return Ok(None);
-            }
-            let reads = tidemark_common::mysql::MySqlStatements {
-                table: table.clone(),
-                columns,
-            };
-            let newest: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(reads.newest_cursor(&sql)))
-                .fetch_one(pool)
-                .await
-                .map_err(CoordinatorError::Source)?;
-            (None, newest)
-        }
+    let Some((infinite, newest)) = source.cursor_extremes(&sql).await.map_err(CoordinatorError::Source)? else {
+        return Ok(None);
     };
     if let Some(mut values) = infinite {
         let value = values.pop().unwrap_or_default();

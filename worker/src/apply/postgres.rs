@@ -7,9 +7,10 @@ use sqlx::postgres::{PgPool, Postgres};
 use tidemark_common::batch::Manifest;
 use tidemark_common::dead_letters::{self, DeadLetter};
 use tidemark_common::pg::accumulate::AccumulateSql;
+use tidemark_common::pg::write;
 use tidemark_common::pg::{self, Read, TableSql};
 use tidemark_common::transform::{AccumulateSpec, Deltas};
-use tidemark_common::write::{self, WriteError};
+use tidemark_common::write::WriteError;
 
 use super::{BatchToApply, TargetTx, check_count};
 use crate::error::WorkerError;

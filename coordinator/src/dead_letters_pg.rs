@@ -1,4 +1,5 @@
-//! Dead letters as operators handle them, read from and written to each task's target:
+//! Dead letters in a PostgreSQL target as operators handle them (`dead_letters_mysql` is
+//! MySQL/MariaDB's):
 //! counts for `status`, `dead-letters list`, `retry` and `resolve`.
 //!
 //! A retry claims one row at a time by a conditional update (`INIT`/`RETRY` → `PROCESSING`,
@@ -16,9 +17,9 @@ use sqlx::postgres::PgPool;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::dead_letters::{self, Layout, STALE_CLAIM_SECS};
 use tidemark_common::pg::accumulate::AccumulateSql;
+use tidemark_common::pg::write;
 use tidemark_common::pg::{Column, Read, TableSql};
 use tidemark_common::transform::{Deltas, RowError, RowTransform};
-use tidemark_common::write;
 use tidemark_proto::v1 as pb;
 
 use crate::checkpoints::ControlDb;
