@@ -143,6 +143,21 @@ pub async fn reader_source(tag: &str) -> (MariaDb, MariaUser) {
     (source, user)
 }
 
+/// A MariaDB target database and an account with the target grants the README lists.
+pub async fn writer_target(tag: &str) -> (MariaDb, MariaUser) {
+    let target = MariaDb::create(tag).await;
+    let user = MariaUser::create(
+        &target,
+        tag,
+        &[&format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE, CREATE, INDEX ON `{}`.* ",
+            target.name
+        )],
+    )
+    .await;
+    (target, user)
+}
+
 /// A login account of one test (server-wide), dropped on drop.
 pub struct MariaUser {
     pub name: String,

@@ -13,23 +13,8 @@ use sqlx::Row;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::mysql::target as mysql_target;
 use tidemark_common::pg::{Column, Read, TableName, TableSql};
-use tidemark_tests::mariadb::{ITEMS_TABLE, MariaDb, MariaUser, items_insert, reader_source};
+use tidemark_tests::mariadb::{ITEMS_TABLE, MariaDb, items_insert, reader_source, writer_target};
 use tidemark_tests::{Cluster, TaskSettings};
-
-/// A MariaDB target database and an account with the target grants the README lists.
-async fn writer_target(tag: &str) -> (MariaDb, MariaUser) {
-    let target = MariaDb::create(tag).await;
-    let user = MariaUser::create(
-        &target,
-        tag,
-        &[&format!(
-            "GRANT SELECT, INSERT, UPDATE, DELETE, CREATE, INDEX ON `{}`.* ",
-            target.name
-        )],
-    )
-    .await;
-    (target, user)
-}
 
 async fn mariadb_now(db: &MariaDb) -> i64 {
     sqlx::query_scalar("SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) AS SIGNED)")

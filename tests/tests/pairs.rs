@@ -1,0 +1,324 @@
+//! One suite, every engine pair: the same sync, incremental and soft-delete steps run from a
+//! PostgreSQL or MariaDB source into a PostgreSQL or MariaDB target, each side read and
+//! written by a production-like account with the README's grants. An engine enters this
+//! suite by one arm of [`Engine`] (its DDL, its writes, its own rendering of a row) and one
+//! test per pair. Boundary: everything committed before the watermark; deletes: the soft
+//! flag, deleted in the target. Per key: every column rendered as text by each side's own
+//! functions, and the version.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use sqlx::Row;
+use tidemark_tests::mariadb::{MariaDb, MariaUser, reader_source, writer_target};
+use tidemark_tests::{Cluster, TaskSettings, TestRole};
+
+/// A key's columns as one text and its version.
+type Rendered = (String, i64);
+
+#[derive(Clone, Copy, Debug)]
+enum Engine {
+    Postgres,
+    MariaDb,
+}
+
+/// One side of a pair: the database the test writes or reads, and the URL the task uses (a
+/// reader account on a source, a writer on a MariaDB target).
+enum Side {
+    /// The cluster's own database (`source` or `target`), a role for a source.
+    Postgres {
+        role: Option<TestRole>,
+    },
+    MariaDb {
+        db: MariaDb,
+        _user: MariaUser,
+        url: String,
+    },
+}
+
+impl Engine {
+    fn create_items(self) -> &'static str {
+        match self {
+            Engine::Postgres => {
+                "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, qty bigint NOT NULL, \
+                 amount numeric(12,3) NOT NULL, deleted boolean NOT NULL DEFAULT false, \
+                 updated_at timestamptz NOT NULL DEFAULT clock_timestamp()); \
+                 CREATE INDEX items_cursor ON items (updated_at, id)"
+            }
+            Engine::MariaDb => {
+                "CREATE TABLE items (id BIGINT PRIMARY KEY, name VARCHAR(200) NOT NULL, qty BIGINT NOT NULL, \
+                 amount DECIMAL(12,3) NOT NULL, deleted TINYINT(1) NOT NULL DEFAULT 0, \
+                 updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6), \
+                 KEY items_cursor (updated_at, id))"
+            }
+        }
+    }
+
+    fn insert(self, first: i64, last: i64) -> String {
+        match self {
+            Engine::Postgres => format!(
+                "INSERT INTO items (id, name, qty, amount) SELECT g, 'name ' || g || ' \u{1F980}', g % 100, g / 7.0 \
+                 FROM generate_series({first}, {last}) g"
+            ),
+            Engine::MariaDb => format!(
+                "INSERT INTO items (id, name, qty, amount) SELECT seq, CONCAT('name ', seq, ' \u{1F980}'), seq % 100, seq / 7 \
+                 FROM seq_{first}_to_{last}"
+            ),
+        }
+    }
+
+    fn update(self, condition: &str) -> String {
+        match self {
+            Engine::Postgres => format!(
+                "UPDATE items SET qty = qty + 1, name = name || ' u', updated_at = clock_timestamp() WHERE {condition}"
+            ),
+            Engine::MariaDb => format!("UPDATE items SET qty = qty + 1, name = CONCAT(name, ' u') WHERE {condition}"),
+        }
+    }
+
+    fn soft_delete(self, condition: &str) -> String {
+        match self {
+            Engine::Postgres => {
+                format!("UPDATE items SET deleted = true, updated_at = clock_timestamp() WHERE {condition}")
+            }
+            Engine::MariaDb => format!("UPDATE items SET deleted = 1 WHERE {condition}"),
+        }
+    }
+
+    /// Live source rows rendered by the engine's own functions, the version being the cursor
+    /// time in microseconds.
+    fn source_rows(self) -> &'static str {
+        match self {
+            Engine::Postgres => {
+                "SELECT id, concat_ws('|', name, qty, amount::text, \
+                 to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')), \
+                 (extract(epoch from updated_at) * 1000000)::bigint FROM items WHERE NOT deleted"
+            }
+            Engine::MariaDb => {
+                "SELECT id, CONCAT_WS('|', name, qty, CAST(amount AS CHAR), DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f')), \
+                 CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated_at) AS SIGNED) FROM items WHERE deleted = 0"
+            }
+        }
+    }
+
+    /// Target rows: the same rendering (a MariaDB target holds the instant's UTC time).
+    fn target_rows(self) -> &'static str {
+        match self {
+            Engine::Postgres => {
+                "SELECT id, concat_ws('|', name, qty, amount::text, \
+                 to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')), _tidemark_version FROM items"
+            }
+            Engine::MariaDb => {
+                "SELECT id, CONCAT_WS('|', name, qty, CAST(amount AS CHAR), DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f')), \
+                 CAST(_tidemark_version AS SIGNED) FROM items"
+            }
+        }
+    }
+
+    fn clock(self) -> &'static str {
+        match self {
+            Engine::Postgres => "SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint",
+            Engine::MariaDb => {
+                "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) AS SIGNED)"
+            }
+        }
+    }
+}
+
+/// A pair under test: the cluster (whose own PostgreSQL databases serve a PostgreSQL side)
+/// and each side.
+struct Pair {
+    cluster: Cluster,
+    source_engine: Engine,
+    target_engine: Engine,
+    source: Side,
+    target: Side,
+}
+
+impl Pair {
+    async fn new(tag: &str, source_engine: Engine, target_engine: Engine) -> Pair {
+        let cluster = Cluster::new(tag).await;
+        let source = match source_engine {
+            Engine::Postgres => {
+                // The README's source grants: SELECT, and pg_read_all_stats for the bound.
+                let role = TestRole::create(&format!("{tag}_reader")).await;
+                cluster.source.exec(Engine::Postgres.create_items()).await;
+                cluster
+                    .source
+                    .exec(&format!(
+                        "GRANT CONNECT ON DATABASE \"{db}\" TO \"{r}\"; GRANT USAGE ON SCHEMA public TO \"{r}\"; \
+                         GRANT SELECT ON public.items TO \"{r}\"; GRANT pg_read_all_stats TO \"{r}\"",
+                        db = cluster.source.name,
+                        r = role.name
+                    ))
+                    .await;
+                Side::Postgres { role: Some(role) }
+            }
+            Engine::MariaDb => {
+                let (db, user) = reader_source(&format!("{tag}_src")).await;
+                db.exec(Engine::MariaDb.create_items()).await;
+                let url = db.url_as(&user.name, &user.password);
+                Side::MariaDb { db, _user: user, url }
+            }
+        };
+        let target = match target_engine {
+            Engine::Postgres => Side::Postgres { role: None },
+            Engine::MariaDb => {
+                let (db, user) = writer_target(&format!("{tag}_dst")).await;
+                let url = db.url_as(&user.name, &user.password);
+                Side::MariaDb { db, _user: user, url }
+            }
+        };
+        Pair {
+            cluster,
+            source_engine,
+            target_engine,
+            source,
+            target,
+        }
+    }
+
+    async fn source_exec(&self, sql: &str) {
+        match &self.source {
+            Side::Postgres { .. } => self.cluster.source.exec(sql).await,
+            Side::MariaDb { db, .. } => db.exec(sql).await,
+        }
+    }
+
+    fn settings(&self) -> TaskSettings {
+        let (source_url, source_table) = match &self.source {
+            Side::Postgres { role } => (
+                self.cluster.source.url_as(&role.as_ref().expect("a source role").name),
+                "public.items",
+            ),
+            Side::MariaDb { url, .. } => (url.clone(), "items"),
+        };
+        let (target_url, target_table) = match &self.target {
+            Side::Postgres { .. } => (String::new(), "public.items"),
+            Side::MariaDb { url, .. } => (url.clone(), "items"),
+        };
+        TaskSettings {
+            source_url,
+            source_table: source_table.into(),
+            target_url,
+            target_table: target_table.into(),
+            shards: 4,
+            page_size: 1000,
+            overlap: "1s",
+            extra: "delete_policy = { kind = \"soft\", column = \"deleted\" }".into(),
+            ..TaskSettings::default()
+        }
+    }
+
+    /// Rows of the source (`of_source`) or the target, rendered by `sql`.
+    async fn rows(&self, of_source: bool, sql: &str) -> BTreeMap<i64, Rendered> {
+        let side = if of_source { &self.source } else { &self.target };
+        match side {
+            Side::Postgres { .. } => {
+                let pool = if of_source {
+                    &self.cluster.source.pool
+                } else {
+                    &self.cluster.target.pool
+                };
+                sqlx::query(sqlx::AssertSqlSafe(sql.to_string()))
+                    .fetch_all(pool)
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .map(|row| (row.get::<i64, _>(0), (row.get::<String, _>(1), row.get::<i64, _>(2))))
+                    .collect()
+            }
+            Side::MariaDb { db, .. } => sqlx::query(sqlx::AssertSqlSafe(sql.to_string()))
+                .fetch_all(&db.pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|row| (row.get::<i64, _>(0), (row.get::<String, _>(1), row.get::<i64, _>(2))))
+                .collect(),
+        }
+    }
+
+    async fn source_now(&self) -> i64 {
+        let sql = self.source_engine.clock();
+        match &self.source {
+            Side::Postgres { .. } => sqlx::query_scalar(sql)
+                .fetch_one(&self.cluster.source.pool)
+                .await
+                .unwrap(),
+            Side::MariaDb { db, .. } => sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap(),
+        }
+    }
+
+    /// Per key: the target holds exactly the source's live rows, with equal columns and
+    /// version.
+    async fn assert_converged(&self, context: &str) {
+        let expected = self.rows(true, self.source_engine.source_rows()).await;
+        let actual = self.rows(false, self.target_engine.target_rows()).await;
+        assert!(!expected.is_empty(), "{context}: the source has no live rows");
+        let missing: Vec<&i64> = expected.keys().filter(|k| !actual.contains_key(k)).collect();
+        let extra: Vec<&i64> = actual.keys().filter(|k| !expected.contains_key(k)).collect();
+        let wrong: Vec<(&i64, &Rendered, &Rendered)> = expected
+            .iter()
+            .filter_map(|(k, e)| actual.get(k).filter(|a| *a != e).map(|a| (k, e, a)))
+            .collect();
+        assert!(
+            missing.is_empty() && extra.is_empty() && wrong.is_empty(),
+            "{context} ({:?} → {:?}): {} missing (e.g. {:?}), {} not deleted or phantom (e.g. {:?}), {} differ (e.g. {:?})",
+            self.source_engine,
+            self.target_engine,
+            missing.len(),
+            missing.iter().take(3).collect::<Vec<_>>(),
+            extra.len(),
+            extra.iter().take(3).collect::<Vec<_>>(),
+            wrong.len(),
+            wrong.iter().take(2).collect::<Vec<_>>()
+        );
+    }
+}
+
+/// The suite every pair runs: a snapshot of 6,000 rows; then updates, inserts and soft deletes
+/// across every shard; then a second round over the updated and inserted keys.
+async fn sync_incremental_and_soft_deletes(tag: &str, source: Engine, target: Engine) {
+    let mut pair = Pair::new(tag, source, target).await;
+    pair.source_exec(&source.insert(1, 6000)).await;
+    let settings = pair.settings();
+    pair.cluster.start(&settings).await;
+    pair.cluster.spawn_worker("a", 2, &[]);
+    pair.cluster.spawn_worker("b", 2, &[]);
+    pair.cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    pair.assert_converged("after the snapshot").await;
+
+    for round in 0..2 {
+        pair.source_exec(&source.update(&format!("id % 7 = {round}"))).await;
+        let first = 6001 + round * 500;
+        pair.source_exec(&source.insert(first, first + 499)).await;
+        pair.source_exec(&source.soft_delete(&format!("id % 11 = {round}")))
+            .await;
+        let end = pair.source_now().await;
+        pair.cluster.wait_for_watermark(end, Duration::from_secs(120)).await;
+        pair.assert_converged(&format!("after round {round} of updates, inserts and soft deletes"))
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_to_postgres() {
+    sync_incremental_and_soft_deletes("pair_pp", Engine::Postgres, Engine::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_to_mariadb() {
+    sync_incremental_and_soft_deletes("pair_pm", Engine::Postgres, Engine::MariaDb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_to_postgres() {
+    sync_incremental_and_soft_deletes("pair_mp", Engine::MariaDb, Engine::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_to_mariadb() {
+    sync_incremental_and_soft_deletes("pair_mm", Engine::MariaDb, Engine::MariaDb).await;
+}
