@@ -292,6 +292,26 @@ impl TableSql {
             .collect()
     }
 
+    /// The median of the first key column inside `range` (a split point), as text.
+    pub fn median_key(&self, range: &ShardRange) -> String {
+        let conditions = self.range_condition(range);
+        format!(
+            "SELECT (percentile_disc(0.5) WITHIN GROUP (ORDER BY {}))::text FROM {}{}",
+            quote_ident(&self.key_columns[0]),
+            self.source.quoted(),
+            if conditions.is_empty() {
+                String::new()
+            } else {
+                format!(" WHERE {}", conditions.join(" AND "))
+            }
+        )
+    }
+
+    /// Whether `a < b` in the key type's order.
+    pub fn key_less(a: &KeyValue, b: &KeyValue) -> String {
+        format!("SELECT {} < {}", key_literal(a), key_literal(b))
+    }
+
     fn range_condition(&self, range: &ShardRange) -> Vec<String> {
         let first = quote_ident(&self.key_columns[0]);
         let mut conditions = Vec::new();

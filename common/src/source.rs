@@ -177,6 +177,65 @@ impl SourcePool {
         }
     }
 
+    /// The median of the first key inside `range` (a split point) as text; `None` when the
+    /// range holds no rows.
+    pub async fn median_key(
+        &self,
+        reads: &SourceReads,
+        sql: &TableSql,
+        range: &ShardRange,
+    ) -> Result<Option<String>, sqlx::Error> {
+        match (self, reads) {
+            (SourcePool::MySql(pool), SourceReads::MySql(m)) => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(m.median_key(sql, range)))
+                    .fetch_optional(pool)
+                    .await
+            }
+            (SourcePool::Postgres(pool), _) => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(sql.median_key(range)))
+                    .fetch_one(pool)
+                    .await
+            }
+            (SourcePool::MySql(_), SourceReads::Postgres) => Err(sqlx::Error::Protocol(
+                "a MySQL source read with PostgreSQL statements".into(),
+            )),
+        }
+    }
+
+    /// Whether `a < b` in the first key column's own order (on MySQL, its collation).
+    pub async fn key_less(
+        &self,
+        reads: &SourceReads,
+        sql: &TableSql,
+        a: &KeyValue,
+        b: &KeyValue,
+    ) -> Result<bool, sqlx::Error> {
+        match (self, reads) {
+            (SourcePool::MySql(pool), SourceReads::MySql(m)) => {
+                let (charset, collation): (Option<String>, Option<String>) =
+                    sqlx::query_as(crate::mysql::deletes::KEY_COLLATION)
+                        .bind(&sql.source.schema)
+                        .bind(&sql.source.name)
+                        .bind(&sql.key_columns[0])
+                        .fetch_one(pool)
+                        .await?;
+                let text = charset.as_deref().zip(collation.as_deref());
+                let less: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(m.key_less(sql, a, b, text)))
+                    .fetch_one(pool)
+                    .await?;
+                Ok(less != 0)
+            }
+            (SourcePool::Postgres(pool), _) => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(TableSql::key_less(a, b)))
+                    .fetch_one(pool)
+                    .await
+            }
+            (SourcePool::MySql(_), SourceReads::Postgres) => Err(sqlx::Error::Protocol(
+                "a MySQL source read with PostgreSQL statements".into(),
+            )),
+        }
+    }
+
     /// Removes the delete-log entries of `table` older than `cutoff_micros`; how many.
     pub async fn purge_delete_log(&self, table: &TableName, cutoff_micros: i64) -> Result<u64, sqlx::Error> {
         match self {

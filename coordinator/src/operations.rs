@@ -26,16 +26,14 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
-use sqlx::postgres::PgPool;
 use tidemark_common::cursor::{Cursor, KeyValue, Position, ShardRange};
-use tidemark_common::pg::quote_literal;
 
 use crate::checkpoints::{ControlDb, ShardKey};
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
 use crate::leases::Leases;
 use crate::planner::PreparedTask;
-use crate::source_pg::connect_database;
+use crate::planner::{connect_source, table_sql};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -245,61 +243,38 @@ pub async fn request_split(
     let name = task.config.name.as_str();
     let shard = control.shard_row(name, shard_id).await?;
     let key_type = first_key_type(task)?;
-    if tidemark_common::mysql::is_mysql_url(&task.config.source) {
-        return Err(bad(
-            "shards split on a MySQL/MariaDB source is not supported yet (split points compare in the source's \
-             collation); shards merge and move work"
-                .into(),
-        ));
-    }
-    let source = connect_database(name, "source", &task.config.source).await?;
-    let first = tidemark_common::pg::quote_ident(&task.config.key[0]);
+    let source = connect_source(&task.config).await?;
+    let sql = table_sql(task)?;
+    let reads = source
+        .reads_for(&sql)
+        .await
+        .map_err(CoordinatorError::Source)?
+        .map_err(|reason| bad(format!("schema changed: {reason}")))?;
     let at = match at {
         Some(value) => value,
-        None => {
-            let mut conditions = Vec::new();
-            if let Some(lo) = &shard.range.lo {
-                conditions.push(format!("{first} >= {}", literal(lo)));
-            }
-            if let Some(hi) = &shard.range.hi {
-                conditions.push(format!("{first} < {}", literal(hi)));
-            }
-            let query = format!(
-                "SELECT (percentile_disc(0.5) WITHIN GROUP (ORDER BY {first}))::text FROM {}{}",
-                tidemark_common::pg::TableName::parse(&task.config.source_table)
-                    .map_err(bad)?
-                    .quoted(),
-                if conditions.is_empty() {
-                    String::new()
-                } else {
-                    format!(" WHERE {}", conditions.join(" AND "))
-                }
-            );
-            sqlx::query_scalar::<_, Option<String>>(sqlx::AssertSqlSafe(query))
-                .fetch_one(&source)
-                .await?
-                .ok_or_else(|| bad(format!("shard {shard_id} holds no rows; give --at")))?
-        }
+        None => source
+            .median_key(&reads, &sql, &shard.range)
+            .await
+            .map_err(CoordinatorError::Source)?
+            .ok_or_else(|| bad(format!("shard {shard_id} holds no rows; give --at")))?,
     };
     let at = KeyValue {
         sql_type: key_type,
         value: at,
     };
-    let check = format!(
-        "SELECT {} AND {}",
-        shard
-            .range
-            .lo
-            .as_ref()
-            .map_or("true".to_string(), |lo| format!("{} < {}", literal(lo), literal(&at))),
-        shard
-            .range
-            .hi
-            .as_ref()
-            .map_or("true".to_string(), |hi| format!("{} < {}", literal(&at), literal(hi)))
-    );
-    let inside: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(check))
-        .fetch_one(&source)
+    // Strictly inside the range, in the key column's own order (its collation on MySQL).
+    let checked = async {
+        let above_lo = match &shard.range.lo {
+            Some(lo) => source.key_less(&reads, &sql, lo, &at).await?,
+            None => true,
+        };
+        let below_hi = match &shard.range.hi {
+            Some(hi) => source.key_less(&reads, &sql, &at, hi).await?,
+            None => true,
+        };
+        Ok::<bool, sqlx::Error>(above_lo && below_hi)
+    };
+    let inside = checked
         .await
         .map_err(|e| bad(format!("split point {:?}: {e}", at.value)))?;
     source.close().await;
@@ -386,10 +361,6 @@ fn first_key_type(task: &PreparedTask) -> Result<String, CoordinatorError> {
         .find(|c| c.name == task.config.key[0])
         .map(|c| c.sql_type.clone())
         .ok_or_else(|| bad("the first key column is not in the epoch's columns".into()))
-}
-
-fn literal(value: &KeyValue) -> String {
-    format!("{}::{}", quote_literal(&value.value), value.sql_type)
 }
 
 /// The leader's loop: performs operations on released shards, asks draining workers' shards
@@ -518,15 +489,6 @@ async fn rebalance(
     Ok(())
 }
 
-/// Compares two values of the first key column in the source's own ordering.
-async fn less(source: &PgPool, a: &KeyValue, b: &KeyValue) -> Result<bool, CoordinatorError> {
-    Ok(
-        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT {} < {}", literal(a), literal(b))))
-            .fetch_one(source)
-            .await?,
-    )
-}
-
 /// The first key column's value of a key-paged cursor.
 fn key_position(cursor: &Cursor) -> Option<&KeyValue> {
     cursor.key_position().and_then(|k| k.first())
@@ -546,8 +508,17 @@ async fn split(
         Position::Snapshot { .. } | Position::Append { .. } => match key_position(&shard.cursor) {
             None => (shard.cursor.clone(), shard.cursor.clone()),
             Some(last) => {
-                let source = connect_database(&shard.key.task, "source", &task.config.source).await?;
-                let below = less(&source, last, at).await?;
+                let source = connect_source(&task.config).await?;
+                let sql = table_sql(task)?;
+                let reads = source
+                    .reads_for(&sql)
+                    .await
+                    .map_err(CoordinatorError::Source)?
+                    .map_err(|reason| bad(format!("schema changed: {reason}")))?;
+                let below = source
+                    .key_less(&reads, &sql, last, at)
+                    .await
+                    .map_err(CoordinatorError::Source)?;
                 source.close().await;
                 let start = match shard.cursor.position {
                     Position::Snapshot { .. } => Cursor::snapshot_start(shard.key.epoch),

@@ -349,6 +349,107 @@ async fn a_mariadb_delete_log_tells_keys_apart_by_their_bytes() {
     assert_eq!(old_keys, 0, "the keys before their case change are deleted");
 }
 
+/// `shards split` on a MariaDB source with case-insensitive text keys, during the snapshot:
+/// the split point is the shard's median in the column's collation, where the snapshot's
+/// position falls is decided by the column's own comparison (`'User…'` sorts after
+/// `'emile…'` there, before it in bytes), and writes after the split converge per key. A
+/// split point on the shard's bound is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_split_at_the_median_in_the_source_collation() {
+    let (source, user) = reader_source("my_split").await;
+    source
+        .exec(
+            "CREATE TABLE users (
+                email VARCHAR(100) COLLATE utf8mb4_general_ci NOT NULL PRIMARY KEY,
+                name VARCHAR(100) NOT NULL,
+                deleted TINYINT(1) NOT NULL DEFAULT 0,
+                changed DATETIME(6) NOT NULL,
+                KEY users_cursor (changed, email)
+            )",
+        )
+        .await;
+    let local_now = "CONVERT_TZ(UTC_TIMESTAMP(6), '+00:00', '+02:00')";
+    source
+        .exec(&format!(
+            "INSERT INTO users SELECT CONCAT(ELT(1 + seq % 4, 'User', 'user', '\u{c9}mile', 'emile'), seq, '@Example.com'), \
+             CONCAT('name ', seq), 0, {local_now} FROM seq_1_to_40000"
+        ))
+        .await;
+    let mut cluster = Cluster::new("my_split").await;
+    cluster
+        .start(&TaskSettings {
+            source_table: "users".into(),
+            target_table: "public.users".into(),
+            key: vec!["email".into()],
+            cursor_column: "changed".into(),
+            shards: 2,
+            extra: "cursor_time_zone = \"+02:00\"\ndelete_policy = { kind = \"soft\", column = \"deleted\" }".into(),
+            page_size: 100,
+            ..settings(&source, &user)
+        })
+        .await;
+    cluster.spawn_worker("a", 4, &[]);
+    cluster
+        .wait_for("the snapshot under way", Duration::from_secs(60), |t| {
+            t.shards.iter().any(|s| s.id == 0 && s.rows_applied > 0)
+        })
+        .await;
+    let shard_zero =
+        |status: &tidemark_proto::v1::TaskStatus| status.shards.iter().find(|s| s.id == 0).map(|s| s.range.clone());
+    let range = shard_zero(&cluster.task_status().await).expect("shard 0");
+    let lo_or_hi: serde_json::Value = serde_json::from_str(&range).unwrap();
+    let bound = lo_or_hi["hi"]["value"]
+        .as_str()
+        .expect("shard 0 has an upper bound")
+        .to_string();
+    let (ok, _, stderr) = cluster.cli(&[
+        "shards",
+        "split",
+        "--task",
+        "items",
+        "--shard",
+        "0",
+        "--at",
+        &bound,
+        "--coordinator",
+        &cluster.address,
+    ]);
+    assert!(!ok && stderr.contains("not strictly inside"), "{stderr}");
+    let (ok, stdout, stderr) = cluster.cli(&[
+        "shards",
+        "split",
+        "--task",
+        "items",
+        "--shard",
+        "0",
+        "--coordinator",
+        &cluster.address,
+    ]);
+    assert!(ok && stdout.contains("split at"), "{stdout} {stderr}");
+    let status = cluster
+        .wait_for("the split", Duration::from_secs(60), |t| {
+            t.shards.len() == 3 && t.shards.iter().all(|s| s.id != 0)
+        })
+        .await;
+    assert!(!status.snapshot_complete, "the split came during the snapshot");
+    let ids: Vec<u32> = status.shards.iter().map(|s| s.id).collect();
+    assert!(ids.contains(&2) && ids.contains(&3), "children get new ids: {ids:?}");
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    assert_users_converged(&source, &cluster.target, "after a split during the snapshot").await;
+    source
+        .exec(&format!(
+            "UPDATE users SET name = CONCAT(name, ' after'), changed = {local_now} WHERE email LIKE '%1@%'; \
+             UPDATE users SET deleted = 1, changed = {local_now} WHERE email LIKE 'emile2%'; \
+             INSERT INTO users SELECT CONCAT('Zed', seq, '@example.com'), 'new', 0, {local_now} FROM seq_1_to_300"
+        ))
+        .await;
+    let end = mariadb_now(&source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    assert_users_converged(&source, &cluster.target, "after the split and writes").await;
+}
+
 async fn assert_users_converged(source: &MariaDb, target: &TestDb, context: &str) {
     let expected: BTreeMap<String, Rendered> = sqlx::query(
         "SELECT email, CONCAT(name, '|', DATE_FORMAT(changed, '%Y-%m-%d %H:%i:%s.%f')), \

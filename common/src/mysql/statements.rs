@@ -241,6 +241,46 @@ impl MySqlStatements {
         self.select(&self.list(sql, false), &conditions, &columns.join(", "), limit)
     }
 
+    /// The median of the first key column inside `range` (a split point), as COPY text, in
+    /// the column's own order and collation.
+    pub fn median_key(&self, sql: &TableSql, range: &ShardRange) -> String {
+        let first = &sql.key_columns[0];
+        let k = quote_ident(first);
+        let conditions = self.range_condition(sql, range);
+        let where_clause = if conditions.is_empty() {
+            String::new()
+        } else {
+            format!(" WHERE {}", conditions.join(" AND "))
+        };
+        format!(
+            "SELECT v FROM (SELECT {} AS v, ROW_NUMBER() OVER (ORDER BY {k}) AS rn, COUNT(*) OVER () AS n FROM {}{where_clause}) s \
+             WHERE rn = CEIL(n / 2)",
+            self.column(first).text_expr(),
+            self.table()
+        )
+    }
+
+    /// Whether `a < b` for values of the first key column, compared as the column compares
+    /// them: numbers as numbers, text converted to the column's character set and compared in
+    /// its collation (`charset_collation`, from `information_schema.columns`).
+    pub fn key_less(
+        &self,
+        sql: &TableSql,
+        a: &KeyValue,
+        b: &KeyValue,
+        charset_collation: Option<(&str, &str)>,
+    ) -> String {
+        let first = &sql.key_columns[0];
+        let value = |v: &KeyValue| {
+            let literal = self.key_literal(v, first);
+            match charset_collation {
+                Some((charset, collation)) => format!("(CONVERT({literal} USING {charset}) COLLATE {collation})"),
+                None => literal,
+            }
+        };
+        format!("SELECT CAST({} < {} AS SIGNED)", value(a), value(b))
+    }
+
     /// The newest cursor time (microseconds; MySQL has no infinite times), through the
     /// cursor index.
     pub fn newest_cursor(&self, sql: &TableSql) -> String {
