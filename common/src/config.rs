@@ -521,22 +521,12 @@ impl Config {
                 }
             }
             if crate::mysql::is_mysql_url(&task.source) {
-                let unsupported = match &task.version {
-                    VersionConfig::Trigger => Some("version trigger"),
-                    _ => None,
-                };
                 let reconciles =
                     task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
                 if reconciles && task.reconcile_compare == ReconcileCompare::Content {
                     return Err(invalid(format!(
                         "task {name}: a MySQL/MariaDB source reconciles versions only (no hash of every column's \
                          content that both engines compute alike yet): set reconcile_compare = \"versions\""
-                    )));
-                }
-                if let Some(feature) = unsupported {
-                    return Err(invalid(format!(
-                        "task {name}: {feature} is not supported on a MySQL/MariaDB source yet (supported: upsert, \
-                         append and accumulate modes, delete_policy soft or tombstone_table, version = column or cursor)"
                     )));
                 }
             }
@@ -739,13 +729,8 @@ cursor_column = "updated_at"
             config.tasks[0].delete_policy,
             Some(DeletePolicy::TombstoneTable { .. })
         ));
-        let error = mysql("mysql://reader@127.0.0.1:3306/shop", "items", "version = \"trigger\"")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            error.contains("version trigger") && error.contains("not supported on a MySQL"),
-            "{error}"
-        );
+        let config = mysql("mysql://reader@127.0.0.1:3306/shop", "items", "version = \"trigger\"").unwrap();
+        assert_eq!(config.tasks[0].version, VersionConfig::Trigger);
         let error = mysql("mysql://r@h/shop", "items", "delete_policy = { kind = \"reconcile\" }")
             .unwrap_err()
             .to_string();

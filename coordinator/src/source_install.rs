@@ -224,17 +224,18 @@ async fn install_mysql_delete_log(config: &TaskConfig) -> Result<String, Coordin
             collation,
         });
     }
-    let cursor = match (&config.version, &config.cursor_column) {
-        (VersionConfig::Cursor, Some(cursor)) => column(cursor)?,
+    let (cursor, sequence_version) = match (&config.version, &config.cursor_column) {
+        (VersionConfig::Trigger, _) => (None, true),
+        (VersionConfig::Cursor, Some(cursor)) => (Some(column(cursor)?), false),
         _ => {
             return Err(setup(
-                "contract clause coverage: a MySQL/MariaDB delete log needs version = \"cursor\" (the entry's \
-                 version is above the row's cursor)"
+                "contract clause coverage: a MySQL/MariaDB delete log needs version = \"trigger\" or \"cursor\" \
+                 (the entry's version is above the row's)"
                     .into(),
             ));
         }
     };
-    let zone = if cursor.is_naive_time() {
+    let zone = if cursor.is_some_and(|c| c.is_naive_time()) {
         Some(
             mysql::inspect::cursor_zone(&pool, config.cursor_time_zone.as_deref())
                 .await
@@ -250,6 +251,7 @@ async fn install_mysql_delete_log(config: &TaskConfig) -> Result<String, Coordin
         log: &log,
         keys: &keys,
         cursor,
+        sequence_version,
         cursor_zone: zone.as_deref(),
     };
     for statement in install.statements() {
@@ -267,12 +269,60 @@ async fn install_mysql_delete_log(config: &TaskConfig) -> Result<String, Coordin
     ))
 }
 
+/// `version = "trigger"` on MariaDB (see `tidemark_common::mysql::versions`): a sequence, the
+/// version column (existing rows numbered in one UPDATE, which rewrites the table: run it at a
+/// quiet time, before the first sync) and two BEFORE triggers. MySQL has no sequences: refused.
+async fn install_mysql_trigger_version(config: &TaskConfig) -> Result<String, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;
+    let pool = mysql::pool(&config.source, 1).map_err(|e| setup(format!("source URL: {e}")))?;
+    let reading = |e: sqlx::Error| setup(format!("source table {table}: {e}"));
+    let server: String = sqlx::query_scalar("SELECT CAST(VERSION() AS CHAR)")
+        .fetch_one(&pool)
+        .await
+        .map_err(reading)?;
+    if !server.contains("MariaDB") {
+        return Err(setup(format!(
+            "version = \"trigger\" needs sequences, which MariaDB has (10.3+) and MySQL {server} does not; use \
+             version = \"cursor\" or a version column the application maintains"
+        )));
+    }
+    let columns = mysql::types::columns(&pool, &table.schema, &table.name)
+        .await
+        .map_err(reading)?
+        .ok_or_else(|| setup(format!("source table {table} does not exist")))?;
+    let has_column = columns.iter().any(|c| c.name == TRIGGER_VERSION_COLUMN);
+    let on_update: Vec<String> = sqlx::query_scalar(mysql::versions::ON_UPDATE_COLUMNS)
+        .bind(&table.schema)
+        .bind(&table.name)
+        .fetch_all(&pool)
+        .await
+        .map_err(reading)?;
+    for statement in mysql::versions::install_statements(&table, has_column, &on_update) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(&pool)
+            .await
+            .map_err(|e| setup(format!("installing the version trigger on {table}: {e}")))?;
+    }
+    pool.close().await;
+    let sequence = mysql::versions::version_sequence(&table);
+    Ok(format!(
+        "task {task}: {table}.{TRIGGER_VERSION_COLUMN} is maintained by BEFORE INSERT and UPDATE triggers from \
+         sequence {}.{}",
+        sequence.schema, sequence.name
+    ))
+}
+
 /// `tidemark-coordinator source install --task T`: adds `tidemark_row_version` to the
 /// source table, fed by a global sequence on every insert and update, so that versions are
 /// monotone per key whatever the clocks do and across delete/re-insert. Existing rows get a
 /// version in one UPDATE (this rewrites the table: run it before the first sync, at a quiet
 /// time). Idempotent.
 pub async fn install_trigger_version(config: &TaskConfig) -> Result<String, CoordinatorError> {
+    if SourceEngine::of_url(&config.source) == Ok(SourceEngine::MySql) {
+        return install_mysql_trigger_version(config).await;
+    }
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
     let table = TableName::parse(&config.source_table).map_err(|e| setup(format!("source_table: {e}")))?;

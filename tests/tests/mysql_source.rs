@@ -18,14 +18,20 @@ use tidemark_tests::{Cluster, TaskSettings, TestDb};
 /// A key's columns as one text and its version.
 type Rendered = (String, i64);
 
-/// Every key's columns as text, rendered by MariaDB's own functions, and its version.
+/// Every key's columns as text, rendered by MariaDB's own functions, and its version (the
+/// cursor time).
 async fn source_rows(db: &MariaDb) -> BTreeMap<i64, Rendered> {
-    sqlx::query(
+    source_rows_versioned(db, "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated_at)").await
+}
+
+/// [`source_rows`] with `version` as the version.
+async fn source_rows_versioned(db: &MariaDb, version: &str) -> BTreeMap<i64, Rendered> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT id, CONCAT_WS('|', IF(flag, 't', 'f'), CAST(amount AS CHAR), CAST(big AS CHAR), \
          IFNULL(DATE_FORMAT(happened, '%Y-%m-%d %H:%i:%s.%f'), 'NULL'), IFNULL(note, 'NULL'), IFNULL(latin, 'NULL'), \
          IFNULL(LOWER(HEX(raw)), 'NULL'), kind, IFNULL(doc, 'NULL'), DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f')), \
-         CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated_at) AS SIGNED) FROM items",
-    )
+         CAST({version} AS SIGNED) FROM items"
+    )))
     .fetch_all(&db.pool)
     .await
     .unwrap()
@@ -53,7 +59,12 @@ async fn target_rows(db: &TestDb) -> BTreeMap<i64, Rendered> {
 /// Per key: the target holds exactly the source's rows except `letters` (keys whose values
 /// the target cannot hold), with equal columns and version.
 async fn assert_converged(source: &MariaDb, target: &TestDb, letters: &[i64], context: &str) {
-    let mut expected = source_rows(source).await;
+    let expected = source_rows(source).await;
+    assert_converged_to(expected, target, letters, context).await;
+}
+
+/// [`assert_converged`] against `expected` rows.
+async fn assert_converged_to(mut expected: BTreeMap<i64, Rendered>, target: &TestDb, letters: &[i64], context: &str) {
     for key in letters {
         assert!(
             expected.remove(key).is_some(),
@@ -874,6 +885,126 @@ async fn a_mariadb_delete_log_deletes_per_key_and_a_truncate_pauses() {
         })
         .await;
     assert_converged(&source, &cluster.target, &[], "after the TRUNCATE and reinit").await;
+}
+
+/// `version = "trigger"` on MariaDB (`source install`): a sequence numbers every insert and
+/// update, existing rows included (their `ON UPDATE CURRENT_TIMESTAMP` cursor untouched), and
+/// the delete log takes its versions from the same sequence. Updates that set one cursor
+/// value, deletes, REPLACE and deletes undone in a transaction converge per key with the
+/// source's own version; a second install renumbers nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mariadb_version_trigger_orders_writes_and_deletes_per_key() {
+    let (source, user) = reader_source("my_vtrig").await;
+    source.exec(CREATE).await;
+    source.exec(&insert(1, 4000)).await;
+    let cursor_before: BTreeMap<i64, String> = pairs(
+        &source.pool,
+        "SELECT id, CAST(updated_at AS CHAR) FROM items WHERE id % 100 = 0",
+    )
+    .await;
+    let mut cluster = Cluster::new("my_vtrig").await;
+    let reader = TaskSettings {
+        extra: "version = \"trigger\"\ndelete_policy = { kind = \"tombstone_table\", retention = \"1h\" }".into(),
+        ..settings(&source, &user)
+    };
+    cluster.write_config(&TaskSettings {
+        source_url: source.url.clone(),
+        ..reader.clone()
+    });
+    let installed = cluster.source_install();
+    assert!(installed.contains("items_tidemark_version_seq"), "{installed}");
+    let numbered: (i64, i64, i64) = sqlx::query_as(
+        "SELECT CAST(COUNT(DISTINCT tidemark_row_version) AS SIGNED), CAST(MIN(tidemark_row_version) AS SIGNED), \
+         CAST(COUNT(*) AS SIGNED) FROM items",
+    )
+    .fetch_one(&source.pool)
+    .await
+    .unwrap();
+    assert_eq!((numbered.0, numbered.2), (4000, 4000), "every row has its own version");
+    assert!(numbered.1 > 0, "{numbered:?}");
+    let cursor_after: BTreeMap<i64, String> = pairs(
+        &source.pool,
+        "SELECT id, CAST(updated_at AS CHAR) FROM items WHERE id % 100 = 0",
+    )
+    .await;
+    assert_eq!(
+        cursor_before, cursor_after,
+        "numbering the rows left the cursor as it was"
+    );
+    cluster.source_install();
+    let (renumbered,): (i64,) = sqlx::query_as("SELECT CAST(MIN(tidemark_row_version) AS SIGNED) FROM items")
+        .fetch_one(&source.pool)
+        .await
+        .unwrap();
+    assert_eq!(renumbered, numbered.1, "a second install renumbers nothing");
+    for host in ["%", "localhost"] {
+        source
+            .exec(&format!(
+                "GRANT DELETE ON `{}`.`items_tidemark_deletes` TO '{}'@'{host}'",
+                source.name, user.name
+            ))
+            .await;
+    }
+    cluster.start(&reader).await;
+    cluster.spawn_worker("a", 2, &[]);
+    cluster.spawn_worker("b", 2, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(120), |t| t.snapshot_complete)
+        .await;
+    assert_converged_to(
+        source_rows_versioned(&source, "tidemark_row_version").await,
+        &cluster.target,
+        &[],
+        "after the snapshot",
+    )
+    .await;
+
+    // The same keys written twice with one cursor value.
+    source
+        .exec(
+            "SET @t = UTC_TIMESTAMP(6); \
+             UPDATE items SET note = 'first', updated_at = @t WHERE id BETWEEN 1 AND 50; \
+             UPDATE items SET note = 'second', updated_at = @t WHERE id BETWEEN 1 AND 50",
+        )
+        .await;
+    source.exec("DELETE FROM items WHERE id % 13 = 0").await;
+    source.exec(&insert(301, 330).replacen("INSERT", "REPLACE", 1)).await;
+    source
+        .exec(&format!(
+            "BEGIN; DELETE FROM items WHERE id BETWEEN 401 AND 420; {}; COMMIT",
+            insert(401, 420)
+        ))
+        .await;
+    source.exec(&insert(4001, 4500)).await;
+    let end = mariadb_now(&source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(90)).await;
+    assert_converged_to(
+        source_rows_versioned(&source, "tidemark_row_version").await,
+        &cluster.target,
+        &[],
+        "after same-microsecond updates, deletes, REPLACE and re-inserts",
+    )
+    .await;
+    // A key deleted and inserted again by two statements has a version above its delete's.
+    // REPLACE numbers the new row first (its BEFORE INSERT trigger runs before the duplicate
+    // is found and deleted), so there only the stale-entry rule keeps the key: checked above.
+    let entries: (i64, i64, i64) = sqlx::query_as(
+        "SELECT CAST(COUNT(*) AS SIGNED), CAST(SUM(d.id BETWEEN 401 AND 420) AS SIGNED), \
+         CAST(SUM(d.id BETWEEN 401 AND 420 AND d.version < i.tidemark_row_version) AS SIGNED) \
+         FROM items_tidemark_deletes d LEFT JOIN items i ON i.id = d.id",
+    )
+    .fetch_one(&source.pool)
+    .await
+    .unwrap();
+    assert!(entries.0 >= 307, "delete-log entries: {entries:?}");
+    assert!(
+        entries.1 >= 18,
+        "delete-log entries of the re-inserted keys: {entries:?}"
+    );
+    assert_eq!(
+        entries.1, entries.2,
+        "re-inserted keys' versions are above their deletes': {entries:?}"
+    );
 }
 
 /// Whether a process is stopped (SIGSTOP): state `T` in /proc/PID/stat.

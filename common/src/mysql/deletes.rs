@@ -54,8 +54,10 @@ pub struct DeleteLogInstall<'a> {
     pub table: &'a TableName,
     pub log: &'a TableName,
     pub keys: &'a [LogKey],
-    /// The cursor column, which the entry's version must exceed.
-    pub cursor: &'a SourceColumn,
+    /// The cursor column, which the entry's version must exceed (`version = "cursor"`).
+    pub cursor: Option<&'a SourceColumn>,
+    /// `version = "trigger"`: the entry takes the table's sequence's next value.
+    pub sequence_version: bool,
     /// The zone a `DATETIME` cursor is written in (as the epoch reads it).
     pub cursor_zone: Option<&'a str>,
 }
@@ -69,15 +71,17 @@ impl DeleteLogInstall<'_> {
     /// change's time on the cursor's precision, so that a re-insert in a later unit of it
     /// wins (within one unit the delete wins the tie, as on PostgreSQL).
     fn version(&self) -> String {
-        let cursor = format!("OLD.{}", quote_ident(&self.cursor.name));
-        let old = match (self.cursor.is_naive_time(), self.cursor_zone) {
+        let Some(cursor_column) = self.cursor.filter(|_| !self.sequence_version) else {
+            return super::versions::next_version(self.table);
+        };
+        let cursor = format!("OLD.{}", quote_ident(&cursor_column.name));
+        let old = match (cursor_column.is_naive_time(), self.cursor_zone) {
             (true, Some(zone)) => micros_of_utc(&format!("CONVERT_TZ({cursor}, {}, '+00:00')", quote_literal(zone))),
             (true, None) => micros_of_utc(&cursor),
             // A TIMESTAMP's instant, whatever the writer's session zone.
             (false, _) => format!("CAST(UNIX_TIMESTAMP({cursor}) * 1000000 AS SIGNED)"),
         };
-        let unit = self
-            .cursor
+        let unit = cursor_column
             .target_type()
             .map_or(1, |t| timestamp_unit_micros(&t))
             .max(1);
@@ -312,7 +316,8 @@ mod tests {
             table: &table,
             log: &log,
             keys: &keys,
-            cursor: &cursor,
+            cursor: Some(&cursor),
+            sequence_version: false,
             cursor_zone: None,
         };
         let statements = install.statements();

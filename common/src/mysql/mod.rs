@@ -16,6 +16,7 @@ pub mod reconcile;
 pub mod statements;
 pub mod target;
 pub mod types;
+pub mod versions;
 pub mod visibility;
 
 use std::time::Duration;
