@@ -1,5 +1,5 @@
-//! One suite, every engine pair: the same sync, incremental and soft-delete steps run from a
-//! PostgreSQL or MariaDB source into a PostgreSQL or MariaDB target, each side read and
+//! One suite, every engine pair: the same sync, incremental, soft-delete and poison-row steps
+//! run from a PostgreSQL or MariaDB source into a PostgreSQL or MariaDB target, each side read and
 //! written by a production-like account with the README's grants. An engine enters this
 //! suite by one arm of [`Engine`] (its DDL, its writes, its own rendering of a row) and one
 //! test per pair. Boundary: everything committed before the watermark; deletes: the soft
@@ -76,6 +76,16 @@ impl Engine {
         }
     }
 
+    /// An update the target refuses once it forbids negative quantities.
+    fn poison(self, condition: &str) -> String {
+        match self {
+            Engine::Postgres => format!(
+                "UPDATE items SET qty = -1, name = name || ' poison', updated_at = clock_timestamp() WHERE {condition}"
+            ),
+            Engine::MariaDb => format!("UPDATE items SET qty = -1, name = CONCAT(name, ' poison') WHERE {condition}"),
+        }
+    }
+
     fn soft_delete(self, condition: &str) -> String {
         match self {
             Engine::Postgres => {
@@ -112,6 +122,14 @@ impl Engine {
                 "SELECT id, CONCAT_WS('|', name, qty, CAST(amount AS CHAR), DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f')), \
                  CAST(_tidemark_version AS SIGNED) FROM items"
             }
+        }
+    }
+
+    /// A target constraint that refuses negative quantities (added by the owner account).
+    fn refuse_negative_qty(self) -> &'static str {
+        match self {
+            Engine::Postgres => "ALTER TABLE public.items ADD CONSTRAINT items_qty_not_negative CHECK (qty >= 0)",
+            Engine::MariaDb => "ALTER TABLE items ADD CONSTRAINT items_qty_not_negative CHECK (qty >= 0)",
         }
     }
 
@@ -185,6 +203,14 @@ impl Pair {
         }
     }
 
+    /// Runs `sql` on the target as its owner.
+    async fn target_exec(&self, sql: &str) {
+        match &self.target {
+            Side::Postgres { .. } => self.cluster.target.exec(sql).await,
+            Side::MariaDb { db, .. } => db.exec(sql).await,
+        }
+    }
+
     fn settings(&self) -> TaskSettings {
         let (source_url, source_table) = match &self.source {
             Side::Postgres { role } => (
@@ -253,6 +279,11 @@ impl Pair {
     /// version.
     async fn assert_converged(&self, context: &str) {
         let expected = self.rows(true, self.source_engine.source_rows()).await;
+        self.assert_target_is(expected, context).await;
+    }
+
+    /// Per key: the target holds exactly `expected`.
+    async fn assert_target_is(&self, expected: BTreeMap<i64, Rendered>, context: &str) {
         let actual = self.rows(false, self.target_engine.target_rows()).await;
         assert!(!expected.is_empty(), "{context}: the source has no live rows");
         let missing: Vec<&i64> = expected.keys().filter(|k| !actual.contains_key(k)).collect();
@@ -301,6 +332,67 @@ async fn sync_incremental_and_soft_deletes(tag: &str, source: Engine, target: En
         pair.assert_converged(&format!("after round {round} of updates, inserts and soft deletes"))
             .await;
     }
+}
+
+/// The poison-row suite every pair runs: after the snapshot the target refuses negative
+/// quantities; an update that writes one is a dead letter naming its key, that key keeps its
+/// last accepted row and version, and every other change converges per key.
+async fn poison_rows_are_dead_letters_and_the_rest_converges(tag: &str, source: Engine, target: Engine) {
+    let mut pair = Pair::new(tag, source, target).await;
+    pair.source_exec(&source.insert(1, 3000)).await;
+    let settings = pair.settings();
+    pair.cluster.start(&settings).await;
+    pair.cluster.spawn_worker("a", 4, &[]);
+    pair.cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    pair.assert_converged("after the snapshot").await;
+    pair.target_exec(target.refuse_negative_qty()).await;
+    let poison: Vec<i64> = (1..=3000).filter(|id| id % 293 == 0).collect();
+    let mut expected = pair.rows(true, source.source_rows()).await;
+    pair.source_exec(&source.update("id % 5 = 0")).await;
+    pair.source_exec(&source.insert(3001, 3200)).await;
+    pair.source_exec(&source.poison("id % 293 = 0")).await;
+    let end = pair.source_now().await;
+    pair.cluster.wait_for_watermark(end, Duration::from_secs(120)).await;
+    let now = pair.rows(true, source.source_rows()).await;
+    for (key, row) in now {
+        if !poison.contains(&key) {
+            expected.insert(key, row);
+        }
+    }
+    pair.assert_target_is(expected, "after poison rows among updates and inserts")
+        .await;
+    let listed = pair.cluster.cli_json(&["dead-letters", "list", "--task", "items"]);
+    let mut keys: Vec<i64> = listed["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap().parse().unwrap())
+        .collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys, poison, "{listed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_rows_postgres_to_postgres() {
+    poison_rows_are_dead_letters_and_the_rest_converges("poison_pp", Engine::Postgres, Engine::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_rows_postgres_to_mariadb() {
+    poison_rows_are_dead_letters_and_the_rest_converges("poison_pm", Engine::Postgres, Engine::MariaDb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_rows_mariadb_to_postgres() {
+    poison_rows_are_dead_letters_and_the_rest_converges("poison_mp", Engine::MariaDb, Engine::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_rows_mariadb_to_mariadb() {
+    poison_rows_are_dead_letters_and_the_rest_converges("poison_mm", Engine::MariaDb, Engine::MariaDb).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
