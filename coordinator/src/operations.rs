@@ -27,6 +27,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 use tidemark_common::cursor::{Cursor, KeyValue, Position, ShardRange};
+use tidemark_common::pg::TableSql;
+use tidemark_common::source::{SourcePool, SourceReads};
 
 use crate::checkpoints::{ControlDb, ShardKey};
 use crate::error::CoordinatorError;
@@ -243,13 +245,7 @@ pub async fn request_split(
     let name = task.config.name.as_str();
     let shard = control.shard_row(name, shard_id).await?;
     let key_type = first_key_type(task)?;
-    let source = connect_source(&task.config).await?;
-    let sql = table_sql(task)?;
-    let reads = source
-        .reads_for(&sql)
-        .await
-        .map_err(CoordinatorError::Source)?
-        .map_err(|reason| bad(format!("schema changed: {reason}")))?;
+    let (source, sql, reads) = source_reads(task).await?;
     let at = match at {
         Some(value) => value,
         None => source
@@ -489,6 +485,19 @@ async fn rebalance(
     Ok(())
 }
 
+/// The task's source, its statements and how the source reads them (split points are
+/// compared there).
+async fn source_reads(task: &PreparedTask) -> Result<(SourcePool, TableSql, SourceReads), CoordinatorError> {
+    let source = connect_source(&task.config).await?;
+    let sql = table_sql(task)?;
+    let reads = source
+        .reads_for(&sql)
+        .await
+        .map_err(CoordinatorError::Source)?
+        .map_err(|reason| bad(format!("schema changed: {reason}")))?;
+    Ok((source, sql, reads))
+}
+
 /// The first key column's value of a key-paged cursor.
 fn key_position(cursor: &Cursor) -> Option<&KeyValue> {
     cursor.key_position().and_then(|k| k.first())
@@ -508,13 +517,7 @@ async fn split(
         Position::Snapshot { .. } | Position::Append { .. } => match key_position(&shard.cursor) {
             None => (shard.cursor.clone(), shard.cursor.clone()),
             Some(last) => {
-                let source = connect_source(&task.config).await?;
-                let sql = table_sql(task)?;
-                let reads = source
-                    .reads_for(&sql)
-                    .await
-                    .map_err(CoordinatorError::Source)?
-                    .map_err(|reason| bad(format!("schema changed: {reason}")))?;
+                let (source, sql, reads) = source_reads(task).await?;
                 let below = source
                     .key_less(&reads, &sql, last, at)
                     .await

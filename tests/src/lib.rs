@@ -819,6 +819,20 @@ open_transaction_bound = {bound}
 
     /// Waits until every shard's committed cursor is past `t_micros`: every change that
     /// committed in the source before then is in the target.
+    /// Waits until `epoch` (planned by `tasks reinit`) runs incremental with its watermark past
+    /// `after_micros` and its reinit reconciliation has finished.
+    pub async fn wait_for_reinit(&self, epoch: u64, after_micros: i64, timeout: Duration) -> pb::TaskStatus {
+        self.wait_for(&format!("epoch {epoch} converged and reconciled"), timeout, |t| {
+            t.epoch == epoch
+                && t.phase == "incremental"
+                && t.watermark_micros.is_some_and(|w| w > after_micros)
+                && t.last_reconcile
+                    .as_ref()
+                    .is_some_and(|r| r.reason == "reinit" && r.finished)
+        })
+        .await
+    }
+
     pub async fn wait_for_watermark(&self, t_micros: i64, timeout: Duration) -> pb::TaskStatus {
         self.wait_for(&format!("watermark past {t_micros}"), timeout, |t| {
             t.watermark_micros.is_some_and(|w| w > t_micros)

@@ -510,16 +510,7 @@ async fn reinit_and_converge(cluster: &Cluster, context: &str) {
     assert!(ok, "reinit: {stderr}");
     assert!(stdout.contains("epoch 2"), "{stdout}");
     let now = source_now(&cluster.source).await;
-    cluster
-        .wait_for("epoch 2 converged and reconciled", Duration::from_secs(90), |t| {
-            t.epoch == 2
-                && t.phase == "incremental"
-                && t.watermark_micros.is_some_and(|w| w > now)
-                && t.last_reconcile
-                    .as_ref()
-                    .is_some_and(|r| r.reason == "reinit" && r.finished)
-        })
-        .await;
+    cluster.wait_for_reinit(2, now, Duration::from_secs(90)).await;
     assert_expected(cluster, "true", CURSOR_VERSION, false, context).await;
 }
 

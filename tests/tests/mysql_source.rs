@@ -231,13 +231,11 @@ async fn an_account_without_process_is_refused_with_the_grant() {
     assert!(log.contains("GRANT PROCESS ON *.* TO"), "{log}");
 }
 
-/// Text keys in a case-insensitive collation, sharded at quantiles and paged by the server's
-/// own comparison; a `DATETIME` cursor that the application writes as local time of +02:00
-/// (`cursor_time_zone`); soft deletes. Read in UTC, every change would sit two hours above
-/// the read window and the watermark would not reach the writes: the wait times out.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn text_keys_in_the_source_collation_and_a_local_datetime_cursor() {
-    let (source, user) = reader_source("my_users").await;
+/// The application's clock in +02:00 as a `DATETIME` (the users table's cursor).
+const LOCAL_NOW: &str = "CONVERT_TZ(UTC_TIMESTAMP(6), '+00:00', '+02:00')";
+
+/// A table of case-insensitive text keys with a `DATETIME` cursor written in +02:00.
+async fn create_users(source: &MariaDb) {
     source
         .exec(
             "CREATE TABLE users (
@@ -249,14 +247,28 @@ async fn text_keys_in_the_source_collation_and_a_local_datetime_cursor() {
             )",
         )
         .await;
-    let local_now = "CONVERT_TZ(UTC_TIMESTAMP(6), '+00:00', '+02:00')";
-    // Upper and lower case interleave in the collation's order, not in byte order.
+}
+
+/// `rows` users whose keys' upper and lower case interleave in the collation's order, not
+/// in byte order (`User…`, `user…`, `Émile…`, `emile…`).
+async fn insert_users(source: &MariaDb, rows: i64) {
     source
         .exec(&format!(
             "INSERT INTO users SELECT CONCAT(ELT(1 + seq % 4, 'User', 'user', '\u{c9}mile', 'emile'), seq, '@Example.com'), \
-             CONCAT('name ', seq), 0, {local_now} FROM seq_1_to_6000"
+             CONCAT('name ', seq), 0, {LOCAL_NOW} FROM seq_1_to_{rows}"
         ))
         .await;
+}
+
+/// Text keys in a case-insensitive collation, sharded at quantiles and paged by the server's
+/// own comparison; a `DATETIME` cursor that the application writes as local time of +02:00
+/// (`cursor_time_zone`); soft deletes. Read in UTC, every change would sit two hours above
+/// the read window and the watermark would not reach the writes: the wait times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_keys_in_the_source_collation_and_a_local_datetime_cursor() {
+    let (source, user) = reader_source("my_users").await;
+    create_users(&source).await;
+    insert_users(&source, 6000).await;
     let mut cluster = Cluster::new("my_users").await;
     cluster
         .start(&TaskSettings {
@@ -278,9 +290,9 @@ async fn text_keys_in_the_source_collation_and_a_local_datetime_cursor() {
 
     source
         .exec(&format!(
-            "UPDATE users SET deleted = 1, changed = {local_now} WHERE email LIKE 'user1%'; \
-             UPDATE users SET name = CONCAT(name, ' renamed'), changed = {local_now} WHERE email LIKE '\u{c9}mile2%'; \
-             INSERT INTO users SELECT CONCAT('New', seq, '@example.com'), 'new', 0, {local_now} FROM seq_1_to_300"
+            "UPDATE users SET deleted = 1, changed = {LOCAL_NOW} WHERE email LIKE 'user1%'; \
+             UPDATE users SET name = CONCAT(name, ' renamed'), changed = {LOCAL_NOW} WHERE email LIKE '\u{c9}mile2%'; \
+             INSERT INTO users SELECT CONCAT('New', seq, '@example.com'), 'new', 0, {LOCAL_NOW} FROM seq_1_to_300"
         ))
         .await;
     let end = mariadb_now(&source).await;
@@ -294,24 +306,8 @@ async fn text_keys_in_the_source_collation_and_a_local_datetime_cursor() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mariadb_delete_log_tells_keys_apart_by_their_bytes() {
     let (source, user) = reader_source("my_dlog_text").await;
-    source
-        .exec(
-            "CREATE TABLE users (
-                email VARCHAR(100) COLLATE utf8mb4_general_ci NOT NULL PRIMARY KEY,
-                name VARCHAR(100) NOT NULL,
-                deleted TINYINT(1) NOT NULL DEFAULT 0,
-                changed DATETIME(6) NOT NULL,
-                KEY users_cursor (changed, email)
-            )",
-        )
-        .await;
-    let local_now = "CONVERT_TZ(UTC_TIMESTAMP(6), '+00:00', '+02:00')";
-    source
-        .exec(&format!(
-            "INSERT INTO users SELECT CONCAT(ELT(1 + seq % 4, 'User', 'user', '\u{c9}mile', 'emile'), seq, '@Example.com'), \
-             CONCAT('name ', seq), 0, {local_now} FROM seq_1_to_6000"
-        ))
-        .await;
+    create_users(&source).await;
+    insert_users(&source, 6000).await;
     let mut cluster = Cluster::new("my_dlog_text").await;
     let reader = TaskSettings {
         source_table: "users".into(),
@@ -346,7 +342,7 @@ async fn a_mariadb_delete_log_tells_keys_apart_by_their_bytes() {
 
     source
         .exec(&format!(
-            "UPDATE users SET email = UPPER(email), changed = {local_now} WHERE email LIKE 'user2%'; \
+            "UPDATE users SET email = UPPER(email), changed = {LOCAL_NOW} WHERE email LIKE 'user2%'; \
              DELETE FROM users WHERE email LIKE '\u{c9}mile3%'"
         ))
         .await;
@@ -368,24 +364,8 @@ async fn a_mariadb_delete_log_tells_keys_apart_by_their_bytes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shards_split_at_the_median_in_the_source_collation() {
     let (source, user) = reader_source("my_split").await;
-    source
-        .exec(
-            "CREATE TABLE users (
-                email VARCHAR(100) COLLATE utf8mb4_general_ci NOT NULL PRIMARY KEY,
-                name VARCHAR(100) NOT NULL,
-                deleted TINYINT(1) NOT NULL DEFAULT 0,
-                changed DATETIME(6) NOT NULL,
-                KEY users_cursor (changed, email)
-            )",
-        )
-        .await;
-    let local_now = "CONVERT_TZ(UTC_TIMESTAMP(6), '+00:00', '+02:00')";
-    source
-        .exec(&format!(
-            "INSERT INTO users SELECT CONCAT(ELT(1 + seq % 4, 'User', 'user', '\u{c9}mile', 'emile'), seq, '@Example.com'), \
-             CONCAT('name ', seq), 0, {local_now} FROM seq_1_to_40000"
-        ))
-        .await;
+    create_users(&source).await;
+    insert_users(&source, 40000).await;
     let mut cluster = Cluster::new("my_split").await;
     cluster
         .start(&TaskSettings {
@@ -451,9 +431,9 @@ async fn shards_split_at_the_median_in_the_source_collation() {
     assert_users_converged(&source, &cluster.target, "after a split during the snapshot").await;
     source
         .exec(&format!(
-            "UPDATE users SET name = CONCAT(name, ' after'), changed = {local_now} WHERE email LIKE '%1@%'; \
-             UPDATE users SET deleted = 1, changed = {local_now} WHERE email LIKE 'emile2%'; \
-             INSERT INTO users SELECT CONCAT('Zed', seq, '@example.com'), 'new', 0, {local_now} FROM seq_1_to_300"
+            "UPDATE users SET name = CONCAT(name, ' after'), changed = {LOCAL_NOW} WHERE email LIKE '%1@%'; \
+             UPDATE users SET deleted = 1, changed = {LOCAL_NOW} WHERE email LIKE 'emile2%'; \
+             INSERT INTO users SELECT CONCAT('Zed', seq, '@example.com'), 'new', 0, {LOCAL_NOW} FROM seq_1_to_300"
         ))
         .await;
     let end = mariadb_now(&source).await;
@@ -874,16 +854,7 @@ async fn a_mariadb_delete_log_deletes_per_key_and_a_truncate_pauses() {
     assert!(ok, "reinit: {stderr}");
     assert!(stdout.contains("epoch 2"), "{stdout}");
     let now = mariadb_now(&source).await;
-    cluster
-        .wait_for("epoch 2 converged and reconciled", Duration::from_secs(120), |t| {
-            t.epoch == 2
-                && t.phase == "incremental"
-                && t.watermark_micros.is_some_and(|w| w > now)
-                && t.last_reconcile
-                    .as_ref()
-                    .is_some_and(|r| r.reason == "reinit" && r.finished)
-        })
-        .await;
+    cluster.wait_for_reinit(2, now, Duration::from_secs(120)).await;
     assert_converged(&source, &cluster.target, &[], "after the TRUNCATE and reinit").await;
 }
 
