@@ -229,10 +229,18 @@ pub struct MariaServer {
     port: u16,
     dir: std::path::PathBuf,
     child: Option<std::process::Child>,
+    /// The server process's `TZ` (its system time zone); `None`: this machine's.
+    zone: Option<String>,
 }
 
 impl MariaServer {
     pub async fn start(tag: &str) -> MariaServer {
+        MariaServer::start_in_zone(tag, None).await
+    }
+
+    /// A server whose system time zone (`TZ`, what `@@system_time_zone` reports and what
+    /// InnoDB renders `innodb_trx.trx_started` in) is `zone`.
+    pub async fn start_in_zone(tag: &str, zone: Option<&str>) -> MariaServer {
         let dir = std::env::temp_dir().join(unique_name(tag));
         std::fs::create_dir_all(&dir).unwrap();
         let installed = Command::new("mariadb-install-db")
@@ -254,13 +262,18 @@ impl MariaServer {
             port,
             dir,
             child: None,
+            zone: zone.map(str::to_string),
         };
         server.spawn().await;
         server
     }
 
     async fn spawn(&mut self) {
-        let child = Command::new("/usr/sbin/mariadbd")
+        let mut command = Command::new("/usr/sbin/mariadbd");
+        if let Some(zone) = &self.zone {
+            command.env("TZ", zone);
+        }
+        let child = command
             .arg("--no-defaults")
             .arg(format!("--datadir={}", self.dir.join("data").display()))
             .arg(format!("--port={}", self.port))

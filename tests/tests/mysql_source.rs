@@ -978,6 +978,81 @@ async fn a_mariadb_version_trigger_orders_writes_and_deletes_per_key() {
     );
 }
 
+/// A server whose system time zone is Asia/Tokyo (+09:00): InnoDB renders `trx_started` in
+/// the server process's local time, whatever the session's `time_zone`. Read as UTC, the open
+/// transaction's start would lie nine hours ahead, the bound would hold nothing, and a
+/// transaction committing after safety_delay + overlap would be lost. Per key, its row
+/// arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bound_reads_innodb_trx_in_the_servers_system_zone() {
+    let server = MariaServer::start_in_zone("my_tokyo", Some("Asia/Tokyo")).await;
+    let source = MariaDb::create_on(&server.url, "my_tokyo").await;
+    let zone: String = sqlx::query_scalar("SELECT CAST(@@system_time_zone AS CHAR)")
+        .fetch_one(&source.pool)
+        .await
+        .unwrap();
+    assert_eq!(zone, "JST", "the private server runs in Asia/Tokyo");
+    let user = MariaUser::create(
+        &source,
+        "my_tokyo",
+        &[
+            &format!("GRANT SELECT ON `{}`.* ", source.name),
+            "GRANT PROCESS ON *.* ",
+        ],
+    )
+    .await;
+    source.exec(CREATE).await;
+    source.exec(&insert(1, 2000)).await;
+    let mut cluster = Cluster::new("my_tokyo").await;
+    cluster.start(&settings(&source, &user)).await;
+    cluster.spawn_worker("a", 4, &[]);
+    cluster
+        .wait_for("snapshot complete", Duration::from_secs(120), |t| t.snapshot_complete)
+        .await;
+    let mut late = source.pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *late).await.unwrap();
+    sqlx::raw_sql("UPDATE items SET note = 'committed late' WHERE id = 5")
+        .execute(&mut *late)
+        .await
+        .unwrap();
+    source.exec("UPDATE items SET note = 'other' WHERE id = 6").await;
+    let writes_end = mariadb_now(&source).await;
+    // Kept open well past safety_delay (1 s) + overlap (1 s), or until the watermark passes.
+    let passed = tokio::time::timeout(
+        Duration::from_secs(6),
+        cluster.wait_for_watermark(writes_end + 2_000_000, Duration::from_secs(6)),
+    )
+    .await
+    .is_ok();
+    sqlx::raw_sql("COMMIT").execute(&mut *late).await.unwrap();
+    drop(late);
+    let end = mariadb_now(&source).await;
+    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    assert_converged(&source, &cluster.target, &[], "after a late commit on a +09:00 server").await;
+    assert!(!passed, "the watermark passed a transaction that was still open");
+
+    // Where daylight saving time ends, 02:30 in Berlin names 00:30 and 01:30 UTC: the bound
+    // takes the earlier.
+    let berlin = MariaServer::start_in_zone("my_berlin", Some("Europe/Berlin")).await;
+    let pool = sqlx::MySqlPool::connect(&berlin.url).await.unwrap();
+    let at = |local: &'static str| {
+        let pool = pool.clone();
+        async move {
+            let utc: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT CAST({} AS CHAR)",
+                tidemark_common::mysql::visibility::system_time_to_utc(&format!("TIMESTAMP'{local}'"))
+            )))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            utc
+        }
+    };
+    assert_eq!(at("2024-10-27 02:30:00").await, "2024-10-27 00:30:00");
+    assert_eq!(at("2024-07-01 12:00:00").await, "2024-07-01 10:00:00");
+    assert_eq!(at("2024-01-15 12:00:00").await, "2024-01-15 11:00:00");
+}
+
 /// Whether a process is stopped (SIGSTOP): state `T` in /proc/PID/stat.
 fn is_stopped(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
