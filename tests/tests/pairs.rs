@@ -1,6 +1,6 @@
-//! One suite, every engine pair: the same sync, incremental, soft-delete and poison-row steps
-//! run from a PostgreSQL or MariaDB source into a PostgreSQL or MariaDB target, each side read and
-//! written by a production-like account with the README's grants. An engine enters this
+//! One suite, every engine pair: the same sync, incremental, soft-delete, accumulate and
+//! poison-row steps run from a PostgreSQL or MariaDB source into a PostgreSQL or MariaDB
+//! target, each side read and written by a production-like account with the README's grants. An engine enters this
 //! suite by one arm of [`Engine`] (its DDL, its writes, its own rendering of a row) and one
 //! test per pair. Boundary: everything committed before the watermark; deletes: the soft
 //! flag, deleted in the target. Per key: every column rendered as text by each side's own
@@ -51,6 +51,39 @@ impl Engine {
                  updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6), \
                  KEY items_cursor (updated_at, id))"
             }
+        }
+    }
+
+    /// Seed 003's events: `type` 5 events name two apps each in their JSON.
+    fn create_events(self) -> &'static str {
+        match self {
+            Engine::Postgres => "CREATE TABLE events (id bigint PRIMARY KEY, type integer NOT NULL, event text)",
+            Engine::MariaDb => "CREATE TABLE events (id BIGINT PRIMARY KEY, type INT NOT NULL, event TEXT)",
+        }
+    }
+
+    /// Events `first..=last`: every tenth is of type 3, the rest of type 5; event `i` names
+    /// `app-(i % 13)` and `app-(i % 7)`.
+    fn insert_events(self, first: i64, last: i64) -> String {
+        match self {
+            Engine::Postgres => format!(
+                "INSERT INTO events SELECT g, CASE WHEN g % 10 = 0 THEN 3 ELSE 5 END, \
+                 '{{\"apps\": [{{\"name\": \"app-' || g % 13 || '\"}}, {{\"name\": \"app-' || g % 7 || '\"}}]}}' \
+                 FROM generate_series({first}, {last}) g"
+            ),
+            Engine::MariaDb => format!(
+                "INSERT INTO events SELECT seq, IF(seq % 10 = 0, 3, 5), \
+                 CONCAT('{{\"apps\": [{{\"name\": \"app-', seq % 13, '\"}}, {{\"name\": \"app-', seq % 7, '\"}}]}}') \
+                 FROM seq_{first}_to_{last}"
+            ),
+        }
+    }
+
+    /// The summary table's counts per app.
+    fn app_counts(self) -> &'static str {
+        match self {
+            Engine::Postgres => "SELECT app_name::text, app_count::bigint FROM app_stat",
+            Engine::MariaDb => "SELECT CAST(app_name AS CHAR), CAST(app_count AS SIGNED) FROM app_stat",
         }
     }
 
@@ -161,11 +194,12 @@ impl Pair {
                 // The README's source grants: SELECT, and pg_read_all_stats for the bound.
                 let role = TestRole::create(&format!("{tag}_reader")).await;
                 cluster.source.exec(Engine::Postgres.create_items()).await;
+                cluster.source.exec(Engine::Postgres.create_events()).await;
                 cluster
                     .source
                     .exec(&format!(
                         "GRANT CONNECT ON DATABASE \"{db}\" TO \"{r}\"; GRANT USAGE ON SCHEMA public TO \"{r}\"; \
-                         GRANT SELECT ON public.items TO \"{r}\"; GRANT pg_read_all_stats TO \"{r}\"",
+                         GRANT SELECT ON public.items, public.events TO \"{r}\"; GRANT pg_read_all_stats TO \"{r}\"",
                         db = cluster.source.name,
                         r = role.name
                     ))
@@ -175,6 +209,7 @@ impl Pair {
             Engine::MariaDb => {
                 let (db, user) = reader_source(&format!("{tag}_src")).await;
                 db.exec(Engine::MariaDb.create_items()).await;
+                db.exec(Engine::MariaDb.create_events()).await;
                 let url = db.url_as(&user.name, &user.password);
                 Side::MariaDb { db, _user: user, url }
             }
@@ -234,6 +269,18 @@ impl Pair {
             extra: "delete_policy = { kind = \"soft\", column = \"deleted\" }".into(),
             ..TaskSettings::default()
         }
+    }
+
+    /// The target's counts per app (an accumulate task's summary table); empty while it does
+    /// not exist yet.
+    async fn counts(&self, target: Engine) -> BTreeMap<String, i64> {
+        let sql = sqlx::AssertSqlSafe(target.app_counts().to_string());
+        let rows: Vec<(String, i64)> = match &self.target {
+            Side::Postgres { .. } => sqlx::query_as(sql).fetch_all(&self.cluster.target.pool).await,
+            Side::MariaDb { db, .. } => sqlx::query_as(sql).fetch_all(&db.pool).await,
+        }
+        .unwrap_or_default();
+        rows.into_iter().collect()
     }
 
     /// Rows of the source (`of_source`) or the target, rendered by `sql`.
@@ -332,6 +379,89 @@ async fn sync_incremental_and_soft_deletes(tag: &str, source: Engine, target: En
         pair.assert_converged(&format!("after round {round} of updates, inserts and soft deletes"))
             .await;
     }
+}
+
+/// Seed 003's counts of events `1..=last`, computed from how they were generated.
+fn expected_app_counts(last: i64) -> BTreeMap<String, i64> {
+    let mut counts = BTreeMap::new();
+    for id in (1..=last).filter(|id| id % 10 != 0) {
+        *counts.entry(format!("app-{}", id % 13)).or_insert(0) += 1;
+        *counts.entry(format!("app-{}", id % 7)).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// The accumulate suite every pair runs (seed 003's job): `type = 5` events' apps counted
+/// into a summary table, exactly once across a worker killed inside the target transaction
+/// and more events afterwards; the counts are then read again after more rounds of polling
+/// and must not move.
+async fn accumulate_counts_each_event_once(tag: &str, source: Engine, target: Engine) {
+    let mut pair = Pair::new(tag, source, target).await;
+    pair.source_exec(&source.insert_events(1, 6000)).await;
+    let base = pair.settings();
+    let settings = TaskSettings {
+        source_table: base.source_table.replace("items", "events"),
+        target_table: base.target_table.replace("items", "app_stat"),
+        cursor_column: String::new(),
+        extra: "mode = \"accumulate\"\nfilter = \"type = 5\"\n\
+                transform = { explode = \"$.apps[*].name\", from = \"event\", as = \"app_name\" }\n\
+                group_by = [\"app_name\"]\naggregates = { app_count = \"count\" }"
+            .into(),
+        ..base
+    };
+    pair.cluster.start(&settings).await;
+    let crasher = pair
+        .cluster
+        .spawn_worker("in-apply", 4, &[("TIDEMARK_CRASH_AT", "in_apply:3")]);
+    assert!(
+        pair.cluster.workers[crasher]
+            .wait_exit(Duration::from_secs(60))
+            .is_some(),
+        "the worker crashed inside the apply transaction"
+    );
+    pair.cluster.spawn_worker("b", 4, &[]);
+    pair.source_exec(&source.insert_events(6001, 7000)).await;
+    let expected = expected_app_counts(7000);
+    assert_eq!(expected.len(), 13);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let actual = pair.counts(target).await;
+        if actual == expected {
+            // More rounds of reads (and any replay) must not add to a count.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            assert_eq!(
+                pair.counts(target).await,
+                expected,
+                "counts changed after they were exact"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "({source:?} → {target:?}) per app, expected {expected:?}, target {actual:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accumulate_postgres_to_postgres() {
+    accumulate_counts_each_event_once("acc_pp", Engine::Postgres, Engine::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accumulate_postgres_to_mariadb() {
+    accumulate_counts_each_event_once("acc_pm", Engine::Postgres, Engine::MariaDb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accumulate_mariadb_to_postgres() {
+    accumulate_counts_each_event_once("acc_mp", Engine::MariaDb, Engine::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accumulate_mariadb_to_mariadb() {
+    accumulate_counts_each_event_once("acc_mm", Engine::MariaDb, Engine::MariaDb).await;
 }
 
 /// The poison-row suite every pair runs: after the snapshot the target refuses negative
