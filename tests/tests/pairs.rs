@@ -144,6 +144,21 @@ impl Engine {
         }
     }
 
+    /// Every source row rendered as by [`Engine::source_rows`], its version the key (append
+    /// mode's version).
+    fn source_rows_by_key(self) -> &'static str {
+        match self {
+            Engine::Postgres => {
+                "SELECT id, concat_ws('|', name, qty, amount::text, \
+                 to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')), id FROM items"
+            }
+            Engine::MariaDb => {
+                "SELECT id, CONCAT_WS('|', name, qty, CAST(amount AS CHAR), DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f')), \
+                 id FROM items"
+            }
+        }
+    }
+
     /// Target rows: the same rendering (a MariaDB target holds the instant's UTC time).
     fn target_rows(self) -> &'static str {
         match self {
@@ -462,6 +477,58 @@ async fn accumulate_mariadb_to_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accumulate_mariadb_to_mariadb() {
     accumulate_counts_each_event_once("acc_mm", Engine::MariaDb, Engine::MariaDb).await;
+}
+
+/// The append suite every pair runs: rows read once in key order, 5,000 before the task
+/// starts and 1,000 inserted while it runs, per key with the key as the version.
+async fn append_reads_every_row_once(tag: &str, source: Engine, target: Engine) {
+    let mut pair = Pair::new(tag, source, target).await;
+    pair.source_exec(&source.insert(1, 5000)).await;
+    let settings = TaskSettings {
+        cursor_column: String::new(),
+        extra: "mode = \"append\"".into(),
+        ..pair.settings()
+    };
+    pair.cluster.start(&settings).await;
+    pair.cluster.spawn_worker("a", 4, &[]);
+    pair.source_exec(&source.insert(5001, 6000)).await;
+    let expected = pair.rows(true, source.source_rows_by_key()).await;
+    assert_eq!(expected.len(), 6000);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let actual = pair.rows(false, target.target_rows()).await;
+        if actual == expected {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "({source:?} → {target:?}) append: {} of {} keys, first differing {:?}",
+            actual.len(),
+            expected.len(),
+            expected.iter().find(|(k, v)| actual.get(k) != Some(v))
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_postgres_to_postgres() {
+    append_reads_every_row_once("app_pp", Engine::Postgres, Engine::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_postgres_to_mariadb() {
+    append_reads_every_row_once("app_pm", Engine::Postgres, Engine::MariaDb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_mariadb_to_postgres() {
+    append_reads_every_row_once("app_mp", Engine::MariaDb, Engine::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_mariadb_to_mariadb() {
+    append_reads_every_row_once("app_mm", Engine::MariaDb, Engine::MariaDb).await;
 }
 
 /// The poison-row suite every pair runs: after the snapshot the target refuses negative
