@@ -224,6 +224,43 @@ pub(crate) struct SourceInfo {
     pub(crate) first_key_type: String,
 }
 
+/// The end of every engine's inspection: the bound must see every writer; then the schema id
+/// and the first key's type.
+pub(crate) async fn source_info(
+    config: &TaskConfig,
+    pool: SourcePool,
+    mysql_columns: Vec<mysql::SourceColumn>,
+    table: TableName,
+    columns: Vec<SourceColumn>,
+    version_column: Option<String>,
+) -> Result<SourceInfo, CoordinatorError> {
+    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
+    if config.open_transaction_bound {
+        let (seen, _) = pool
+            .visibility(&table)
+            .await
+            .map_err(|e| setup(format!("reading what the open-transaction bound can see: {e}")))?;
+        if let Some(reason) = seen.blind_spot(&table) {
+            return Err(setup(reason));
+        }
+    }
+    let schema_id = schema_id(&columns, &required_columns(config), "schema2-");
+    let first_key_type = columns
+        .iter()
+        .find(|c| c.column.name == config.key[0])
+        .map(|c| c.column.sql_type.clone())
+        .expect("validated");
+    Ok(SourceInfo {
+        pool,
+        mysql_columns,
+        table,
+        columns,
+        version_column,
+        schema_id,
+        first_key_type,
+    })
+}
+
 /// Connects to the source and checks the task's contract against its table.
 pub(crate) async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorError> {
     let setup = |message: String| CoordinatorError::task_setup(&config.name, message);

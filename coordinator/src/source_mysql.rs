@@ -122,30 +122,7 @@ pub(crate) async fn inspect_mysql_source(config: &TaskConfig) -> Result<SourceIn
     if let Some(DeletePolicy::TombstoneTable { .. }) = &config.delete_policy {
         check_mysql_delete_log(config, &pool, &table).await?;
     }
-    if config.open_transaction_bound {
-        let (seen, _) = pool
-            .visibility(&table)
-            .await
-            .map_err(|e| setup(format!("reading what the open-transaction bound can see: {e}")))?;
-        if let Some(reason) = seen.blind_spot(&table) {
-            return Err(setup(reason));
-        }
-    }
-    let schema_id = schema_id(&columns, &required_columns(config), "schema2-");
-    let first_key_type = columns
-        .iter()
-        .find(|c| c.column.name == config.key[0])
-        .map(|c| c.column.sql_type.clone())
-        .expect("validated");
-    Ok(SourceInfo {
-        pool,
-        mysql_columns: found,
-        table,
-        columns,
-        version_column,
-        schema_id,
-        first_key_type,
-    })
+    source_info(config, pool, found, table, columns, version_column).await
 }
 
 /// [`pg_key_domain`] on MySQL/MariaDB: integer keys split by range, others at quantiles

@@ -10,7 +10,7 @@ use tidemark_common::config::{DeletePolicy, TaskConfig};
 use tidemark_common::cursor::{KeyDomain, KeyValue};
 use tidemark_common::duration::format_duration;
 use tidemark_common::pg::deletes::{delete_log_table, truncate_log_table};
-use tidemark_common::pg::{self, Column, TableName, connect_options, is_transient, quote_ident, visibility};
+use tidemark_common::pg::{self, Column, TableName, connect_options, is_transient, quote_ident};
 use tidemark_common::redact::redact_url;
 use tidemark_common::source::{SourcePool, SourceReads};
 
@@ -168,29 +168,15 @@ pub(crate) async fn inspect_pg_source(config: &TaskConfig) -> Result<SourceInfo,
         )
         .await?;
     }
-    if config.open_transaction_bound {
-        let (seen, _) = visibility::read(&pool, &table)
-            .await
-            .map_err(|e| setup(format!("reading what the open-transaction bound can see: {e}")))?;
-        if let Some(reason) = seen.blind_spot(&table) {
-            return Err(setup(reason));
-        }
-    }
-    let schema_id = schema_id(&columns, &required_columns(config), "schema2-");
-    let first_key_type = columns
-        .iter()
-        .find(|c| c.column.name == config.key[0])
-        .map(|c| c.column.sql_type.clone())
-        .expect("validated");
-    Ok(SourceInfo {
-        pool: SourcePool::Postgres(pool),
-        mysql_columns: Vec::new(),
+    source_info(
+        config,
+        SourcePool::Postgres(pool),
+        Vec::new(),
         table,
         columns,
         version_column,
-        schema_id,
-        first_key_type,
-    })
+    )
+    .await
 }
 
 /// The first key's domain (how shards split it) and H0's largest key, on PostgreSQL.

@@ -324,14 +324,7 @@ async fn a_mariadb_delete_log_tells_keys_apart_by_their_bytes() {
         ..reader.clone()
     });
     cluster.source_install();
-    for host in ["%", "localhost"] {
-        source
-            .exec(&format!(
-                "GRANT DELETE ON `{}`.`users_tidemark_deletes` TO '{}'@'{host}'",
-                source.name, user.name
-            ))
-            .await;
-    }
+    grant_delete_on(&source, &user, "users_tidemark_deletes").await;
     cluster.start(&reader).await;
     cluster.spawn_worker("a", 2, &[]);
     cluster.spawn_worker("b", 2, &[]);
@@ -739,6 +732,18 @@ async fn reconciliation_finds_hard_deletes_with_a_hash_both_engines_share() {
     assert!(!ok && stderr.contains("reconciles versions only"), "{stderr}");
 }
 
+/// DELETE on `table` for the task's account (the delete log's purge needs it).
+async fn grant_delete_on(source: &MariaDb, user: &MariaUser, table: &str) {
+    for host in ["%", "localhost"] {
+        source
+            .exec(&format!(
+                "GRANT DELETE ON `{}`.`{table}` TO '{}'@'{host}'",
+                source.name, user.name
+            ))
+            .await;
+    }
+}
+
 /// The trigger-fed delete log on MariaDB (`source install`): deletes, key changes, keys
 /// deleted and inserted again in one transaction and by REPLACE, per key. The task runs on the README's grants, and is
 /// refused by name without DELETE on the log; entries past retention are purged. A TRUNCATE
@@ -764,14 +769,7 @@ async fn a_mariadb_delete_log_deletes_per_key_and_a_truncate_pauses() {
     let refused = cluster.refused_start(&reader);
     let grant = format!("GRANT SELECT, DELETE ON `{}`.`items_tidemark_deletes` TO", source.name);
     assert!(refused.contains(&grant), "{refused}");
-    for host in ["%", "localhost"] {
-        source
-            .exec(&format!(
-                "GRANT DELETE ON `{}`.`items_tidemark_deletes` TO '{}'@'{host}'",
-                source.name, user.name
-            ))
-            .await;
-    }
+    grant_delete_on(&source, &user, "items_tidemark_deletes").await;
     cluster.start(&reader).await;
     cluster.spawn_worker("a", 2, &[]);
     cluster.spawn_worker("b", 2, &[]);
@@ -908,14 +906,7 @@ async fn a_mariadb_version_trigger_orders_writes_and_deletes_per_key() {
         .await
         .unwrap();
     assert_eq!(renumbered, numbered.1, "a second install renumbers nothing");
-    for host in ["%", "localhost"] {
-        source
-            .exec(&format!(
-                "GRANT DELETE ON `{}`.`items_tidemark_deletes` TO '{}'@'{host}'",
-                source.name, user.name
-            ))
-            .await;
-    }
+    grant_delete_on(&source, &user, "items_tidemark_deletes").await;
     cluster.start(&reader).await;
     cluster.spawn_worker("a", 2, &[]);
     cluster.spawn_worker("b", 2, &[]);
