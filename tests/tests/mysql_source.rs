@@ -234,6 +234,19 @@ async fn an_account_without_process_is_refused_with_the_grant() {
 /// The application's clock in +02:00 as a `DATETIME` (the users table's cursor).
 const LOCAL_NOW: &str = "CONVERT_TZ(UTC_TIMESTAMP(6), '+00:00', '+02:00')";
 
+/// The task on the users table (read in +02:00) with `deletes`, its delete policy.
+fn users_settings(source: &MariaDb, user: &MariaUser, deletes: &str) -> TaskSettings {
+    TaskSettings {
+        source_table: "users".into(),
+        target_table: "public.users".into(),
+        key: vec!["email".into()],
+        cursor_column: "changed".into(),
+        extra: format!("cursor_time_zone = \"+02:00\"\n{deletes}"),
+        page_size: 500,
+        ..settings(source, user)
+    }
+}
+
 /// A table of case-insensitive text keys with a `DATETIME` cursor written in +02:00.
 async fn create_users(source: &MariaDb) {
     source
@@ -271,15 +284,11 @@ async fn text_keys_in_the_source_collation_and_a_local_datetime_cursor() {
     insert_users(&source, 6000).await;
     let mut cluster = Cluster::new("my_users").await;
     cluster
-        .start(&TaskSettings {
-            source_table: "users".into(),
-            target_table: "public.users".into(),
-            key: vec!["email".into()],
-            cursor_column: "changed".into(),
-            extra: "cursor_time_zone = \"+02:00\"\ndelete_policy = { kind = \"soft\", column = \"deleted\" }".into(),
-            page_size: 500,
-            ..settings(&source, &user)
-        })
+        .start(&users_settings(
+            &source,
+            &user,
+            "delete_policy = { kind = \"soft\", column = \"deleted\" }",
+        ))
         .await;
     cluster.spawn_worker("a", 2, &[]);
     cluster.spawn_worker("b", 2, &[]);
@@ -309,16 +318,11 @@ async fn a_mariadb_delete_log_tells_keys_apart_by_their_bytes() {
     create_users(&source).await;
     insert_users(&source, 6000).await;
     let mut cluster = Cluster::new("my_dlog_text").await;
-    let reader = TaskSettings {
-        source_table: "users".into(),
-        target_table: "public.users".into(),
-        key: vec!["email".into()],
-        cursor_column: "changed".into(),
-        extra: "cursor_time_zone = \"+02:00\"\ndelete_policy = { kind = \"tombstone_table\", retention = \"1h\" }"
-            .into(),
-        page_size: 500,
-        ..settings(&source, &user)
-    };
+    let reader = users_settings(
+        &source,
+        &user,
+        "delete_policy = { kind = \"tombstone_table\", retention = \"1h\" }",
+    );
     cluster.write_config(&TaskSettings {
         source_url: source.url.clone(),
         ..reader.clone()
@@ -362,14 +366,13 @@ async fn shards_split_at_the_median_in_the_source_collation() {
     let mut cluster = Cluster::new("my_split").await;
     cluster
         .start(&TaskSettings {
-            source_table: "users".into(),
-            target_table: "public.users".into(),
-            key: vec!["email".into()],
-            cursor_column: "changed".into(),
             shards: 2,
-            extra: "cursor_time_zone = \"+02:00\"\ndelete_policy = { kind = \"soft\", column = \"deleted\" }".into(),
             page_size: 100,
-            ..settings(&source, &user)
+            ..users_settings(
+                &source,
+                &user,
+                "delete_policy = { kind = \"soft\", column = \"deleted\" }",
+            )
         })
         .await;
     cluster.spawn_worker("a", 4, &[]);
