@@ -409,13 +409,18 @@ impl Config {
         Ok(config)
     }
 
-    /// A MySQL table is `database.table`; a bare `table` is in the URL's database.
+    /// A MySQL table is `database.table`; a bare `table` is in the URL's database (see
+    /// [`crate::engines::Engine::url_database`]).
     fn resolve_source_tables(&mut self, path: &str) -> Result<(), ConfigError> {
+        let url_database = |url: &str| crate::engines::of_url(url).ok().and_then(|engine| engine.url_database);
         for task in &mut self.tasks {
-            if !crate::mysql::is_mysql_url(&task.target) || task.target_table.contains('.') {
+            let Some(url_database) = url_database(&task.target) else {
+                continue;
+            };
+            if task.target_table.contains('.') {
                 continue;
             }
-            let database = crate::mysql::url_database(&task.target).ok_or_else(|| ConfigError::Invalid {
+            let database = url_database(&task.target).ok_or_else(|| ConfigError::Invalid {
                 path: path.to_string(),
                 message: format!(
                     "task {}: target_table {:?} names no database and the target URL has none: write `database.table`",
@@ -425,10 +430,13 @@ impl Config {
             task.target_table = format!("{database}.{}", task.target_table);
         }
         for task in &mut self.tasks {
-            if !crate::mysql::is_mysql_url(&task.source) || task.source_table.contains('.') {
+            let Some(url_database) = url_database(&task.source) else {
+                continue;
+            };
+            if task.source_table.contains('.') {
                 continue;
             }
-            let database = crate::mysql::url_database(&task.source).ok_or_else(|| ConfigError::Invalid {
+            let database = url_database(&task.source).ok_or_else(|| ConfigError::Invalid {
                 path: path.to_string(),
                 message: format!(
                     "task {}: source_table {:?} names no database and the source URL has none: write `database.table`",
@@ -439,11 +447,10 @@ impl Config {
         }
         for task in &mut self.tasks {
             // What `tasks reinit` and a bare `reconcile` compare: versions, the only
-            // comparison a MySQL source offers (a configured reconciliation must say so).
+            // comparison a MySQL side offers (a configured reconciliation must say so).
             let reconciles =
                 task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
-            let mysql = crate::mysql::is_mysql_url(&task.source) || crate::mysql::is_mysql_url(&task.target);
-            if mysql && !reconciles {
+            if !hash_content(task) && !reconciles {
                 task.reconcile_compare = ReconcileCompare::Versions;
             }
         }
@@ -506,27 +513,29 @@ impl Config {
                     task.max_dead_letter_ratio
                 )));
             }
-            crate::source::SourceEngine::of_url(&task.source)
-                .map_err(|e| invalid(format!("task {name}: source: {e}")))?;
-            crate::source::SourceEngine::of_url(&task.target)
-                .map_err(|e| invalid(format!("task {name}: target: {e}")))?;
-            if crate::mysql::is_mysql_url(&task.target) {
+            crate::engines::of_url(&task.source).map_err(|e| invalid(format!("task {name}: source: {e}")))?;
+            let target =
+                crate::engines::of_url(&task.target).map_err(|e| invalid(format!("task {name}: target: {e}")))?;
+            if !target.hashes_content {
                 let reconciles =
                     task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
                 if reconciles && task.reconcile_compare == ReconcileCompare::Content {
                     return Err(invalid(format!(
-                        "task {name}: a MySQL/MariaDB target reconciles versions only (no hash of every column's \
-                         content that both engines compute alike yet): set reconcile_compare = \"versions\""
+                        "task {name}: a {} target reconciles versions only (no hash of every column's content \
+                         that both engines compute alike yet): set reconcile_compare = \"versions\"",
+                        target.name
                     )));
                 }
             }
-            if crate::mysql::is_mysql_url(&task.source) {
+            let source = crate::engines::of_url(&task.source).expect("checked above");
+            if !source.hashes_content {
                 let reconciles =
                     task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
                 if reconciles && task.reconcile_compare == ReconcileCompare::Content {
                     return Err(invalid(format!(
-                        "task {name}: a MySQL/MariaDB source reconciles versions only (no hash of every column's \
-                         content that both engines compute alike yet): set reconcile_compare = \"versions\""
+                        "task {name}: a {} source reconciles versions only (no hash of every column's content \
+                         that both engines compute alike yet): set reconcile_compare = \"versions\"",
+                        source.name
                     )));
                 }
             }
@@ -651,6 +660,15 @@ fn interpolate_env(raw: &str, path: &str, lookup_env: impl Fn(&str) -> Option<St
         out.push_str(rest);
     }
     Ok(out)
+}
+
+/// Whether both of a task's engines hash every column's content alike (see
+/// [`crate::engines::Engine::hashes_content`]); a URL of no known engine counts as yes (it is
+/// refused by name in validation).
+pub fn hash_content(task: &TaskConfig) -> bool {
+    [&task.source, &task.target]
+        .iter()
+        .all(|url| crate::engines::of_url(url).map_or(true, |engine| engine.hashes_content))
 }
 
 #[cfg(test)]

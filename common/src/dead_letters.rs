@@ -175,33 +175,9 @@ pub fn row_error_class(error: &sqlx::Error) -> Option<String> {
     let sqlx::Error::Database(db) = error else {
         return None;
     };
-    if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-        return crate::mysql::target::row_error_class(mysql.number()).map(str::to_string);
-    }
-    let code = db.code()?;
-    let name = match code.as_ref() {
-        "22001" => "string_data_right_truncation",
-        "22003" => "numeric_value_out_of_range",
-        "22007" => "invalid_datetime_format",
-        "22008" => "datetime_field_overflow",
-        "22012" => "division_by_zero",
-        "22021" => "character_not_in_repertoire",
-        "22023" => "invalid_parameter_value",
-        "22P02" => "invalid_text_representation",
-        "22P03" => "invalid_binary_representation",
-        "22P04" => "bad_copy_file_format",
-        "22P05" => "untranslatable_character",
-        "23502" => "not_null_violation",
-        "23503" => "foreign_key_violation",
-        "23505" => "unique_violation",
-        "23514" => "check_violation",
-        "54000" => "program_limit_exceeded",
-        other if other.starts_with("22") || other.starts_with("23") => {
-            return Some(format!("sqlstate_{other}"));
-        }
-        _ => return None,
-    };
-    Some(name.to_string())
+    crate::engines::ENGINES
+        .iter()
+        .find_map(|engine| (engine.row_error_class)(db.as_ref()))
 }
 
 /// The row error a database error stands for (its class and message), if it is one.

@@ -12,6 +12,7 @@ pub mod crash;
 pub mod cursor;
 pub mod dead_letters;
 pub mod duration;
+pub mod engines;
 pub mod id_tail;
 pub mod metrics;
 pub mod mysql;

@@ -9,6 +9,7 @@ use crate::copy_format::CopyFormat;
 use crate::cursor::{KeyValue, ShardRange};
 
 pub mod accumulate;
+pub mod connector;
 pub mod cursor_zone;
 pub mod deletes;
 pub mod reconcile;
@@ -912,6 +913,33 @@ pub fn is_transient(error: &sqlx::Error) -> bool {
         ),
         _ => false,
     }
+}
+
+/// The row error class of an SQLSTATE (PostgreSQL's condition names).
+pub fn row_error_class(code: &str) -> Option<String> {
+    let name = match code {
+        "22001" => "string_data_right_truncation",
+        "22003" => "numeric_value_out_of_range",
+        "22007" => "invalid_datetime_format",
+        "22008" => "datetime_field_overflow",
+        "22012" => "division_by_zero",
+        "22021" => "character_not_in_repertoire",
+        "22023" => "invalid_parameter_value",
+        "22P02" => "invalid_text_representation",
+        "22P03" => "invalid_binary_representation",
+        "22P04" => "bad_copy_file_format",
+        "22P05" => "untranslatable_character",
+        "23502" => "not_null_violation",
+        "23503" => "foreign_key_violation",
+        "23505" => "unique_violation",
+        "23514" => "check_violation",
+        "54000" => "program_limit_exceeded",
+        other if other.starts_with("22") || other.starts_with("23") => {
+            return Some(format!("sqlstate_{other}"));
+        }
+        _ => return None,
+    };
+    Some(name.to_string())
 }
 
 #[cfg(test)]

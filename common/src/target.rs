@@ -1,20 +1,43 @@
 //! The target boundary: the database a task writes into, whatever engine serves it (named by
-//! the URL's scheme, as a source is; see [`SourceEngine::of_url`]). Each engine's statements
-//! live in its own folder (`pg/`, `mysql/target.rs`).
+//! the URL's scheme, as a source is; see [`crate::engines`]). Each engine implements
+//! [`Target`] in its own folder; the worker's apply transaction is the worker's own (its
+//! `apply/` folder), keyed by the same engine.
 
-use sqlx::mysql::MySqlPool;
-use sqlx::postgres::PgPool;
+use std::any::Any;
+use std::fmt::Debug;
+use std::ops::Deref;
+use std::sync::Arc;
 
-use crate::source::SourceEngine;
+use crate::engines::Engine;
+use crate::pg::{ColumnTypes, TableName, TableSql};
+use crate::reconcile_reads::SideReads;
 
-/// A connection pool to a target.
-#[derive(Debug, Clone)]
-pub enum TargetPool {
-    Postgres(PgPool),
-    MySql(MySqlPool),
+/// One engine's target.
+#[async_trait::async_trait]
+pub trait Target: Send + Sync + Debug {
+    fn engine(&self) -> &'static Engine;
+
+    /// For the engine's own code (its coordinator and worker folders) to reach its pool.
+    fn as_any(&self) -> &dyn Any;
+
+    /// The table's column types where the engine takes binary batches (PostgreSQL).
+    async fn binary_column_types(&self, table: &TableName) -> Result<Option<ColumnTypes>, sqlx::Error>;
+
+    /// What reconciliation reads of this side.
+    fn reconcile_reads<'a>(&'a self, sql: &'a TableSql) -> Box<dyn SideReads + 'a>;
+
+    async fn close(&self);
 }
 
+/// A connection pool to a target, of whichever engine.
+#[derive(Debug, Clone)]
+pub struct TargetPool(Arc<dyn Target>);
+
 impl TargetPool {
+    pub fn new(target: impl Target + 'static) -> TargetPool {
+        TargetPool(Arc::new(target))
+    }
+
     /// A lazily connecting pool to the target at `url`, of the engine its scheme names; no
     /// session holds a lock or an idle transaction longer than `guard`.
     pub fn connect_lazy(
@@ -23,44 +46,19 @@ impl TargetPool {
         max_connections: u32,
         guard: std::time::Duration,
     ) -> Result<TargetPool, String> {
-        Ok(match SourceEngine::of_url(url)? {
-            SourceEngine::Postgres => {
-                TargetPool::Postgres(crate::pg::guarded_pool(url, application_name, max_connections, guard)?)
-            }
-            SourceEngine::MySql => TargetPool::MySql(crate::mysql::target_pool(url, max_connections, guard.as_secs())?),
-        })
+        (crate::engines::of_url(url)?.target)(url, application_name, max_connections, guard)
     }
 
-    pub fn engine(&self) -> SourceEngine {
-        match self {
-            TargetPool::Postgres(_) => SourceEngine::Postgres,
-            TargetPool::MySql(_) => SourceEngine::MySql,
-        }
+    /// The engine's own target type, for that engine's code.
+    pub fn downcast<T: 'static>(&self) -> Option<&T> {
+        self.0.as_any().downcast_ref()
     }
+}
 
-    /// The PostgreSQL pool, or an error naming `what` as not yet offered on this engine.
-    pub fn postgres(&self, what: &str) -> Result<&PgPool, String> {
-        match self {
-            TargetPool::Postgres(pool) => Ok(pool),
-            TargetPool::MySql(_) => Err(format!("{what} is not supported on a MySQL/MariaDB target yet")),
-        }
-    }
+impl Deref for TargetPool {
+    type Target = dyn Target;
 
-    /// The table's column types where the engine takes binary batches (PostgreSQL).
-    pub async fn binary_column_types(
-        &self,
-        table: &crate::pg::TableName,
-    ) -> Result<Option<crate::pg::ColumnTypes>, sqlx::Error> {
-        match self {
-            TargetPool::Postgres(pool) => Ok(Some(crate::pg::column_types(pool, table).await?)),
-            TargetPool::MySql(_) => Ok(None),
-        }
-    }
-
-    pub async fn close(&self) {
-        match self {
-            TargetPool::Postgres(pool) => pool.close().await,
-            TargetPool::MySql(pool) => pool.close().await,
-        }
+    fn deref(&self) -> &(dyn Target + 'static) {
+        &*self.0
     }
 }

@@ -3,21 +3,18 @@
 
 pub mod admin_cli;
 pub mod checkpoints;
-pub mod dead_letters_mysql;
-pub mod dead_letters_pg;
+pub(crate) mod engines;
 pub mod error;
 pub mod janitor;
 pub mod leader;
 pub mod leases;
 pub mod metrics;
+pub mod mysql;
 pub mod operations;
 pub mod planner;
+pub mod postgres;
 pub mod reconcile_runs;
 pub mod service;
 pub mod source_install;
-pub mod source_mysql;
-pub mod source_pg;
 pub mod status;
-pub mod target_mysql;
-pub mod target_pg;
 pub mod watcher;

@@ -2,10 +2,9 @@
 //! start bound H0 (source time and largest key) with its shard ranges, and creates the
 //! target table and ledger when they are missing; `tasks reinit` plans the next epoch.
 //!
-//! This is the engine-neutral part. What each engine answers lives in its own module:
-//! `source_pg` and `source_mysql` (columns, key uniqueness, grants, the key's domain, the
-//! cursor's zone), `target_pg` and `target_mysql` (the target table, ledger, fences). A new
-//! engine is a module per side and one arm in each dispatch here.
+//! This is the engine-neutral part. What each engine answers lives in its own folder
+//! (`postgres/`, `mysql/`: columns, key uniqueness, grants, the key's domain, the cursor's
+//! zone; the target table, ledger and fences), reached through [`crate::engines`].
 
 use std::time::Duration;
 
@@ -16,15 +15,13 @@ use tidemark_common::config::{
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, format_micros, plan_ranges};
 use tidemark_common::id_tail::{IdTail, Sample};
-use tidemark_common::mysql;
 use tidemark_common::pg::{self, Column, DeleteSql, TableName, TableSql, VERSION_COLUMN, visibility};
-use tidemark_common::source::{SourceEngine, SourcePool, SourceReads};
+use tidemark_common::source::{SourcePool, SourceReads};
 use tidemark_common::target::TargetPool;
 
 use crate::checkpoints::{ControlDb, EpochPlan, EpochRecord};
+use crate::engines;
 use crate::error::CoordinatorError;
-use crate::source_mysql::*;
-use crate::source_pg::*;
 /// A task as the coordinator serves it: its config and its current epoch's frozen plan.
 #[derive(Debug, Clone)]
 pub struct PreparedTask {
@@ -47,10 +44,9 @@ pub(crate) async fn introspect_source(
     task: &str,
     table: &TableName,
 ) -> Result<Option<Vec<SourceColumn>>, CoordinatorError> {
-    match source {
-        SourcePool::Postgres(pool) => introspect(pool, task, "source", table).await,
-        SourcePool::MySql(pool) => introspect_mysql(pool, table).await,
-    }
+    engines::side_of_source(task, source)?
+        .columns(source, task, table)
+        .await
 }
 
 /// An epoch's schema id: a hash of the source columns' names and types, and whether the
@@ -215,8 +211,9 @@ pub(crate) fn validate_columns(
 /// The source table as a task sees it: columns, version column and schema id.
 pub(crate) struct SourceInfo {
     pub(crate) pool: SourcePool,
-    /// A MySQL source's columns as it types them (empty for PostgreSQL).
-    pub(crate) mysql_columns: Vec<mysql::SourceColumn>,
+    /// The statements the table is read with, as inspection found it (an engine's own type;
+    /// MySQL's carry the columns as the source types them).
+    pub(crate) reads: SourceReads,
     pub(crate) table: TableName,
     pub(crate) columns: Vec<SourceColumn>,
     pub(crate) version_column: Option<String>,
@@ -229,7 +226,7 @@ pub(crate) struct SourceInfo {
 pub(crate) async fn source_info(
     config: &TaskConfig,
     pool: SourcePool,
-    mysql_columns: Vec<mysql::SourceColumn>,
+    reads: SourceReads,
     table: TableName,
     columns: Vec<SourceColumn>,
     version_column: Option<String>,
@@ -252,7 +249,7 @@ pub(crate) async fn source_info(
         .expect("validated");
     Ok(SourceInfo {
         pool,
-        mysql_columns,
+        reads,
         table,
         columns,
         version_column,
@@ -263,11 +260,7 @@ pub(crate) async fn source_info(
 
 /// Connects to the source and checks the task's contract against its table.
 pub(crate) async fn inspect_source(config: &TaskConfig) -> Result<SourceInfo, CoordinatorError> {
-    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
-    match SourceEngine::of_url(&config.source).map_err(&setup)? {
-        SourceEngine::Postgres => inspect_pg_source(config).await,
-        SourceEngine::MySql => inspect_mysql_source(config).await,
-    }
+    engines::source_side(config)?.inspect(config).await
 }
 
 /// How the task's deletes are read and applied, from its configuration.
@@ -345,10 +338,9 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         page_format: CopyFormat::Text,
         cursor_zone: None,
     };
-    let target_epoch = match SourceEngine::of_url(&config.target).map_err(&setup)? {
-        SourceEngine::Postgres => crate::target_pg::prepare(config, &sql, &not_null).await?,
-        SourceEngine::MySql => crate::target_mysql::prepare(config, &sql, &not_null, epoch.epoch).await?,
-    };
+    let target_epoch = engines::target_side(config)?
+        .prepare(config, &sql, &not_null, epoch.epoch)
+        .await?;
     if let Some(target_epoch) = target_epoch
         && target_epoch > epoch.epoch
     {
@@ -389,11 +381,7 @@ pub fn table_sql(task: &PreparedTask) -> Result<TableSql, CoordinatorError> {
 
 /// A pool on the task's target that connects on first use (status counts, dead letters).
 pub fn lazy_target_pool(config: &TaskConfig) -> Result<TargetPool, CoordinatorError> {
-    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
-    if SourceEngine::of_url(&config.target).map_err(&setup)? == SourceEngine::MySql {
-        return Ok(TargetPool::MySql(crate::target_mysql::pool(config)?));
-    }
-    Ok(TargetPool::Postgres(crate::target_pg::lazy_pool(config)?))
+    engines::target_side(config)?.lazy_pool(config)
 }
 
 /// The columns an epoch froze.
@@ -488,12 +476,9 @@ pub async fn reinit_task(
         target_changes: Vec::new(),
         target_differences: Vec::new(),
     };
-    if SourceEngine::of_url(&config.target).map_err(&setup)? == SourceEngine::MySql {
-        reinit.target_changes = crate::target_mysql::reinit(config, &sql, &not_null, plan.epoch, alter_target).await?;
-        return switch_to(control, task, &plan, reinit).await;
-    }
-    (reinit.target_changes, reinit.target_differences) =
-        crate::target_pg::reinit(config, &sql, &not_null, plan.epoch, alter_target).await?;
+    (reinit.target_changes, reinit.target_differences) = engines::target_side(config)?
+        .reinit(config, &sql, &not_null, plan.epoch, alter_target)
+        .await?;
     switch_to(control, task, &plan, reinit).await
 }
 
@@ -534,13 +519,7 @@ pub async fn source_now_micros(config: &TaskConfig) -> Result<i64, CoordinatorEr
 
 /// Connects to a task's source, whatever its engine.
 pub async fn connect_source(config: &TaskConfig) -> Result<SourcePool, CoordinatorError> {
-    let setup = |message: String| CoordinatorError::task_setup(&config.name, message);
-    match SourceEngine::of_url(&config.source).map_err(&setup)? {
-        SourceEngine::Postgres => Ok(SourcePool::Postgres(
-            connect_database(&config.name, "source", &config.source).await?,
-        )),
-        SourceEngine::MySql => Ok(SourcePool::MySql(connect_mysql(config)?)),
-    }
+    engines::source_side(config)?.connect(config).await
 }
 
 /// How long planning waits for prepared transactions to end before it refuses.
@@ -600,12 +579,10 @@ pub(crate) async fn plan_epoch(
         .as_ref()
         .and_then(|name| columns.iter().find(|c| &c.name == name))
         .map_or("timestamp with time zone", |c| c.sql_type.as_str());
-    let cursor_zone = match (&config.cursor_column, source) {
-        (Some(cursor), SourcePool::Postgres(pool)) if pg::is_naive_timestamp(cursor_type) => {
-            Some(naive_cursor_zone(pool, config, cursor).await?)
-        }
-        (Some(cursor), SourcePool::MySql(pool)) if pg::is_naive_timestamp(cursor_type) => {
-            Some(mysql_cursor_zone(pool, config, cursor).await?)
+    let engine = engines::side_of_source(&config.name, source)?;
+    let cursor_zone = match &config.cursor_column {
+        Some(cursor) if pg::is_naive_timestamp(cursor_type) => {
+            Some(engine.naive_cursor_zone(source, config, cursor).await?)
         }
         _ => None,
     };
@@ -616,15 +593,12 @@ pub(crate) async fn plan_epoch(
         None
     };
     let h0_time_micros = start_time_micros(source, config, table, pg::timestamp_unit_micros(cursor_type)).await?;
-    let (domain, h0_max_key) = match source {
-        SourcePool::Postgres(pool) => pg_key_domain(pool, source_info, config).await?,
-        SourcePool::MySql(pool) => mysql_key_domain(pool, source_info, config).await?,
-    };
-    let estimated_rows: Option<i64> = match source {
-        SourcePool::Postgres(pool) => estimated_rows(pool, table).await.map_err(reading)?,
-        SourcePool::MySql(pool) => mysql::inspect::estimated_rows(pool, table).await.map_err(reading)?,
-    }
-    .filter(|n: &i64| *n >= 0);
+    let (domain, h0_max_key) = engine.key_domain(source_info, config).await?;
+    let estimated_rows: Option<i64> = engine
+        .estimated_rows(source, table)
+        .await
+        .map_err(reading)?
+        .filter(|n: &i64| *n >= 0);
     let _ = first_key_type;
     let columns_json = serde_json::to_value(
         columns

@@ -14,6 +14,7 @@ use tidemark_common::contract::{self, Contract};
 
 use crate::checkpoints::ShardStatusRow;
 use crate::checkpoints::{CommitBatch, ControlDb, EpochRecord, RegisterBatch, ShardKey, parse_request_cursor};
+use crate::engines;
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
 use crate::leases::Leases;
@@ -65,17 +66,18 @@ impl CoordinatorService {
             .ok_or_else(|| CoordinatorError::UnknownTask(name.to_string()))
     }
 
+    /// The task's target pool and its engine's coordinator side.
+    fn target(&self, name: &str) -> Result<(&'static dyn engines::TargetSide, &TargetPool), CoordinatorError> {
+        let task = self.task(name)?;
+        Ok((engines::target_side(&task.config)?, self.target_pool(name)?))
+    }
+
     /// Dead letters per status, or a warning when the target does not answer in time.
     async fn dead_letter_counts(&self, task: &str) -> Result<HashMap<String, u64>, String> {
-        let Ok(target) = self.target_pool(task) else {
+        let Ok((side, target)) = self.target(task) else {
             return Ok(HashMap::new());
         };
-        let counts = async {
-            match target {
-                TargetPool::Postgres(pool) => crate::dead_letters_pg::counts(pool, task).await,
-                TargetPool::MySql(pool) => crate::target_mysql::dead_letter_counts(pool, task).await,
-            }
-        };
+        let counts = side.dead_letter_counts(target, task);
         match tokio::time::timeout(std::time::Duration::from_secs(3), counts).await {
             Ok(Ok(counts)) => Ok(counts.into_iter().collect()),
             Ok(Err(error)) => Err(format!("dead letters unknown: the target did not answer ({error})")),
@@ -688,10 +690,7 @@ impl AdminService for CoordinatorService {
             ReconcileCompare::parse(&request.compare).map_err(CoordinatorError::InvalidRequest)?
         };
         let config = &self.task(&request.task)?.config;
-        if compare == ReconcileCompare::Content
-            && (tidemark_common::mysql::is_mysql_url(&config.source)
-                || tidemark_common::mysql::is_mysql_url(&config.target))
-        {
+        if compare == ReconcileCompare::Content && !tidemark_common::config::hash_content(config) {
             return Err(CoordinatorError::InvalidRequest(format!(
                 "task {}: a MySQL/MariaDB source or target reconciles versions only: use --compare versions",
                 request.task
@@ -861,14 +860,10 @@ impl AdminService for CoordinatorService {
         let request = request.into_inner();
         let status = Some(request.status.to_uppercase()).filter(|s| !s.is_empty());
         let limit = if request.limit == 0 { 100 } else { request.limit };
-        let letters = match self.target_pool(&request.task)? {
-            TargetPool::Postgres(pool) => {
-                crate::dead_letters_pg::list(pool, &request.task, status.as_deref(), limit).await?
-            }
-            TargetPool::MySql(pool) => {
-                crate::dead_letters_mysql::list(pool, &request.task, status.as_deref(), limit).await?
-            }
-        };
+        let (side, target) = self.target(&request.task)?;
+        let letters = side
+            .list_dead_letters(target, &request.task, status.as_deref(), limit)
+            .await?;
         Ok(Response::new(pb::DeadLetterList { letters }))
     }
 
@@ -878,12 +873,10 @@ impl AdminService for CoordinatorService {
     ) -> Result<Response<pb::RetryDeadLettersResponse>, Status> {
         let request = request.into_inner();
         let task = self.task(&request.task)?;
-        let response = match self.target_pool(&request.task)? {
-            TargetPool::Postgres(pool) => {
-                crate::dead_letters_pg::retry(&self.inner.control, pool, task, &request.keys).await?
-            }
-            TargetPool::MySql(pool) => crate::dead_letters_mysql::retry(pool, task, &request.keys).await?,
-        };
+        let (side, target) = self.target(&request.task)?;
+        let response = side
+            .retry_dead_letters(&self.inner.control, target, task, &request.keys)
+            .await?;
         Ok(Response::new(response))
     }
 
@@ -892,14 +885,10 @@ impl AdminService for CoordinatorService {
         request: Request<pb::ResolveDeadLettersRequest>,
     ) -> Result<Response<pb::ResolveDeadLettersResponse>, Status> {
         let request = request.into_inner();
-        let resolved = match self.target_pool(&request.task)? {
-            TargetPool::Postgres(pool) => {
-                crate::dead_letters_pg::resolve(pool, &request.task, &request.keys, request.all_failed).await?
-            }
-            TargetPool::MySql(pool) => {
-                crate::dead_letters_mysql::resolve(pool, &request.task, &request.keys, request.all_failed).await?
-            }
-        };
+        let (side, target) = self.target(&request.task)?;
+        let resolved = side
+            .resolve_dead_letters(target, &request.task, &request.keys, request.all_failed)
+            .await?;
         tracing::info!(task = %request.task, resolved, "dead letters resolved by the operator");
         Ok(Response::new(pb::ResolveDeadLettersResponse { resolved }))
     }
@@ -910,10 +899,8 @@ impl AdminService for CoordinatorService {
     ) -> Result<Response<pb::PurgeDeadLettersResponse>, Status> {
         let request = request.into_inner();
         let older_than = std::time::Duration::from_millis(request.older_than_ms);
-        let purged = match self.target_pool(&request.task)? {
-            TargetPool::Postgres(pool) => crate::dead_letters_pg::purge(pool, &request.task, older_than).await?,
-            TargetPool::MySql(pool) => crate::dead_letters_mysql::purge(pool, &request.task, older_than).await?,
-        };
+        let (side, target) = self.target(&request.task)?;
+        let purged = side.purge_dead_letters(target, &request.task, older_than).await?;
         tracing::info!(task = %request.task, purged, "resolved dead letters purged by the operator");
         Ok(Response::new(pb::PurgeDeadLettersResponse { purged }))
     }

@@ -411,7 +411,7 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
         max_dead_letter_ratio: 0.5,
     };
     let applied = tidemark_worker::apply::apply_batch(
-        &tidemark_common::target::TargetPool::Postgres(trigger.target.pool.clone()),
+        &tidemark_common::pg::connector::target_pool(trigger.target.pool.clone()),
         &batch,
     )
     .await

@@ -32,6 +32,11 @@ use crate::error::WorkerError;
 pub(crate) trait TargetTx: Sized + Send {
     type Pool: Sync;
 
+    /// The engine's pool inside a target pool, when the target is of this engine.
+    fn pool_of(target: &TargetPool) -> Option<&Self::Pool>;
+    /// The ledger's content hash for `batch_id`, if it holds the batch.
+    async fn ledger_hash(pool: &Self::Pool, batch_id: &str) -> Result<Option<String>, sqlx::Error>;
+
     /// The batch's transaction, or `None` when the ledger already holds the batch. A batch of
     /// an epoch that `tasks reinit` replaced is refused here, in the target, where its rows
     /// would go: its shard can no longer commit, but an accumulate task's totals were reset
@@ -195,12 +200,49 @@ impl From<WriteError> for WorkerError {
     }
 }
 
+/// Work done with a target engine's transaction type.
+trait OnTarget {
+    type Output;
+    async fn run<T: TargetTx>(self, pool: &T::Pool) -> Result<Self::Output, WorkerError>;
+}
+
+/// The target engines this worker applies batches to, one line each.
+async fn on_target<Op: OnTarget>(target: &TargetPool, op: Op) -> Result<Op::Output, WorkerError> {
+    if let Some(pool) = postgres::PgTx::pool_of(target) {
+        return op.run::<postgres::PgTx>(pool).await;
+    }
+    if let Some(pool) = mysql::MySqlTx::pool_of(target) {
+        return op.run::<mysql::MySqlTx>(pool).await;
+    }
+    Err(WorkerError::Assignment(format!(
+        "this worker cannot apply batches to a {} target",
+        target.engine().name
+    )))
+}
+
+struct Apply<'a, 'b>(&'a BatchToApply<'b>);
+
+impl OnTarget for Apply<'_, '_> {
+    type Output = Applied;
+
+    async fn run<T: TargetTx>(self, pool: &T::Pool) -> Result<Applied, WorkerError> {
+        apply_with::<T>(pool, self.0).await
+    }
+}
+
+struct LedgerHash<'a>(&'a str);
+
+impl OnTarget for LedgerHash<'_> {
+    type Output = Option<String>;
+
+    async fn run<T: TargetTx>(self, pool: &T::Pool) -> Result<Option<String>, WorkerError> {
+        Ok(T::ledger_hash(pool, self.0).await?)
+    }
+}
+
 /// Applies a batch.
 pub async fn apply_batch(target: &TargetPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
-    match target {
-        TargetPool::Postgres(pool) => apply_with::<postgres::PgTx>(pool, batch).await,
-        TargetPool::MySql(pool) => apply_with::<mysql::MySqlTx>(pool, batch).await,
-    }
+    on_target(target, Apply(batch)).await
 }
 
 async fn apply_with<T: TargetTx>(target: &T::Pool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
@@ -515,10 +557,7 @@ async fn finish<T: TargetTx>(
 
 /// Whether the target's ledger holds `batch_id` with this content: the batch was applied.
 pub async fn ledger_holds(target: &TargetPool, batch_id: &str, content_hash: &str) -> Result<bool, WorkerError> {
-    let stored = match target {
-        TargetPool::Postgres(pool) => postgres::ledger_hash(pool, batch_id).await?,
-        TargetPool::MySql(pool) => mysql::ledger_hash(pool, batch_id).await?,
-    };
+    let stored = on_target(target, LedgerHash(batch_id)).await?;
     Ok(stored.as_deref() == Some(content_hash))
 }
 

@@ -45,12 +45,7 @@ impl WorkerError {
     /// counts such errors and pauses the task when one repeats (`max_batch_failures`).
     pub fn is_persistent(&self) -> bool {
         match self {
-            WorkerError::Database(error) => {
-                let lock_timeout = matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"));
-                !tidemark_common::pg::is_transient(error)
-                    && !tidemark_common::mysql::is_transient(error)
-                    && !lock_timeout
-            }
+            WorkerError::Database(error) => !tidemark_common::engines::retry_fixes(error),
             WorkerError::Data(_)
             | WorkerError::Verify(_)
             | WorkerError::Assignment(_)

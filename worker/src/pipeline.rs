@@ -201,6 +201,8 @@ impl ShardRun {
                 .map_err(|e| bad("accumulate spec", e))?;
             TaskWrite::Accumulate { spec, transform }
         };
+        // Replaced by `source_reads` when the run starts.
+        let reads = resources.source.bare_reads(&sql.source);
         Ok(ShardRun {
             worker_id: worker_id.to_string(),
             epoch: assignment.epoch,
@@ -212,7 +214,7 @@ impl ShardRun {
             snapshot_max_key,
             incremental_start,
             sql,
-            reads: SourceReads::Postgres,
+            reads,
             write,
             resources,
             task,

@@ -172,10 +172,10 @@ impl ShardRun {
     }
 
     /// What reconciliation reads of one side.
-    fn side(&self, side: Side) -> Result<SideReads<'_>, WorkerError> {
+    fn side(&self, side: Side) -> Result<Box<dyn SideReads + '_>, WorkerError> {
         Ok(match side {
-            Side::Source => SideReads::source(&self.resources.source, &self.reads, &self.sql)?,
-            Side::Target => SideReads::target(&self.resources.target, &self.sql),
+            Side::Source => self.resources.source.reconcile_reads(&self.reads, &self.sql)?,
+            Side::Target => self.resources.target.reconcile_reads(&self.sql),
         })
     }
 

@@ -9,6 +9,7 @@
 //! backticks; literals by doubling quotes, which is complete under the pinned
 //! `NO_BACKSLASH_ESCAPES`.
 
+pub mod connector;
 pub mod deletes;
 pub mod inspect;
 pub mod read;

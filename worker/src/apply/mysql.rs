@@ -11,6 +11,7 @@ use tidemark_common::copy_text;
 use tidemark_common::dead_letters::DeadLetter;
 use tidemark_common::mysql::target::{self as sql, AccumulateMySql};
 use tidemark_common::pg::{Read, TableSql};
+use tidemark_common::target::TargetPool;
 use tidemark_common::transform::{AccumulateSpec, Deltas};
 use tidemark_common::write::WriteError;
 
@@ -54,6 +55,17 @@ impl MySqlTx {
 
 impl TargetTx for MySqlTx {
     type Pool = MySqlPool;
+
+    fn pool_of(target: &TargetPool) -> Option<&MySqlPool> {
+        tidemark_common::mysql::connector::mysql_target(target)
+    }
+
+    async fn ledger_hash(target: &MySqlPool, batch_id: &str) -> Result<Option<String>, sqlx::Error> {
+        sqlx::query_scalar("SELECT content_hash FROM tidemark_ledger WHERE batch_id = ?")
+            .bind(batch_id)
+            .fetch_optional(target)
+            .await
+    }
 
     async fn begin_unless_applied(target: &MySqlPool, manifest: &Manifest) -> Result<Option<MySqlTx>, WorkerError> {
         let mut tx = target.begin().await?;
@@ -212,12 +224,4 @@ impl TargetTx for MySqlTx {
     async fn rollback(self) -> Result<(), sqlx::Error> {
         self.0.rollback().await
     }
-}
-
-/// The content hash the ledger holds for a batch, if it holds it.
-pub(super) async fn ledger_hash(target: &MySqlPool, batch_id: &str) -> Result<Option<String>, sqlx::Error> {
-    sqlx::query_scalar("SELECT content_hash FROM tidemark_ledger WHERE batch_id = ?")
-        .bind(batch_id)
-        .fetch_optional(target)
-        .await
 }

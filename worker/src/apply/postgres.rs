@@ -9,6 +9,7 @@ use tidemark_common::dead_letters::{self, DeadLetter};
 use tidemark_common::pg::accumulate::AccumulateSql;
 use tidemark_common::pg::write;
 use tidemark_common::pg::{self, Read, TableSql};
+use tidemark_common::target::TargetPool;
 use tidemark_common::transform::{AccumulateSpec, Deltas};
 use tidemark_common::write::WriteError;
 
@@ -19,6 +20,17 @@ pub(crate) struct PgTx(sqlx::Transaction<'static, Postgres>);
 
 impl TargetTx for PgTx {
     type Pool = PgPool;
+
+    fn pool_of(target: &TargetPool) -> Option<&PgPool> {
+        tidemark_common::pg::connector::pg_target(target)
+    }
+
+    async fn ledger_hash(target: &PgPool, batch_id: &str) -> Result<Option<String>, sqlx::Error> {
+        sqlx::query_scalar("SELECT content_hash FROM tidemark_ledger WHERE batch_id = $1")
+            .bind(batch_id)
+            .fetch_optional(target)
+            .await
+    }
 
     async fn begin_unless_applied(target: &PgPool, manifest: &Manifest) -> Result<Option<PgTx>, WorkerError> {
         let mut tx = target.begin().await?;
@@ -162,12 +174,4 @@ impl TargetTx for PgTx {
     async fn rollback(self) -> Result<(), sqlx::Error> {
         self.0.rollback().await
     }
-}
-
-/// The content hash the ledger holds for a batch, if it holds it.
-pub(super) async fn ledger_hash(target: &PgPool, batch_id: &str) -> Result<Option<String>, sqlx::Error> {
-    sqlx::query_scalar("SELECT content_hash FROM tidemark_ledger WHERE batch_id = $1")
-        .bind(batch_id)
-        .fetch_optional(target)
-        .await
 }

@@ -7,10 +7,10 @@ use tidemark_common::config::TaskConfig;
 use tidemark_common::pg::{self, DeleteSql, TableSql, VERSION_COLUMN};
 
 use crate::error::CoordinatorError;
-use crate::source_pg::{connect_database, introspect, key_is_unique};
+use crate::postgres::source::{connect_database, introspect, key_is_unique};
 
-pub(crate) const LEDGER_DDL: &str = include_str!("../../migrations/target/ledger.sql");
-pub(crate) const DEAD_LETTERS_DDL: &str = include_str!("../../migrations/target/dead_letters.sql");
+pub(crate) const LEDGER_DDL: &str = include_str!("../../../migrations/target/ledger.sql");
+pub(crate) const DEAD_LETTERS_DDL: &str = include_str!("../../../migrations/target/dead_letters.sql");
 
 /// An accumulate task's summary table: created when missing, else it must have the group and
 /// aggregate columns.

@@ -9,10 +9,11 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_common::config::{DeletePolicy, TaskConfig};
 use tidemark_common::cursor::{KeyDomain, KeyValue};
 use tidemark_common::duration::format_duration;
+use tidemark_common::pg::connector::PgReads;
 use tidemark_common::pg::deletes::{delete_log_table, truncate_log_table};
 use tidemark_common::pg::{self, Column, TableName, connect_options, is_transient, quote_ident};
 use tidemark_common::redact::redact_url;
-use tidemark_common::source::{SourcePool, SourceReads};
+use tidemark_common::source::SourceReads;
 
 use crate::error::CoordinatorError;
 use crate::planner::*;
@@ -170,8 +171,8 @@ pub(crate) async fn inspect_pg_source(config: &TaskConfig) -> Result<SourceInfo,
     }
     source_info(
         config,
-        SourcePool::Postgres(pool),
-        Vec::new(),
+        tidemark_common::pg::connector::source_pool(pool),
+        SourceReads::new(PgReads),
         table,
         columns,
         version_column,
@@ -209,7 +210,7 @@ pub(crate) async fn pg_key_domain(
         if config.mode.appends() && config.open_transaction_bound {
             // Keys are read once, in order: the snapshot stops below any key a transaction
             // still open may add (see `id_tail`).
-            max = settled_max_key(&source_info.pool, &SourceReads::Postgres, config, table).await?;
+            max = settled_max_key(&source_info.pool, &source_info.reads, config, table).await?;
         }
         integer_domain(first_key_type, min, max)
     } else {

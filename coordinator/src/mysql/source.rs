@@ -24,7 +24,7 @@ pub(crate) async fn check_mysql_delete_log(
 ) -> Result<(), CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    let SourcePool::MySql(mysql_pool) = pool else {
+    let Some(mysql_pool) = tidemark_common::mysql::connector::mysql_source(pool) else {
         return Ok(());
     };
     let log = delete_log_table(table);
@@ -118,11 +118,15 @@ pub(crate) async fn inspect_mysql_source(config: &TaskConfig) -> Result<SourceIn
             config.key.join(", ")
         )));
     }
-    let pool = SourcePool::MySql(pool);
+    let pool = tidemark_common::mysql::connector::source_pool(pool);
     if let Some(DeletePolicy::TombstoneTable { .. }) = &config.delete_policy {
         check_mysql_delete_log(config, &pool, &table).await?;
     }
-    source_info(config, pool, found, table, columns, version_column).await
+    let reads = SourceReads::new(mysql::MySqlStatements {
+        table: table.clone(),
+        columns: found,
+    });
+    source_info(config, pool, reads, table, columns, version_column).await
 }
 
 /// [`pg_key_domain`] on MySQL/MariaDB: integer keys split by range, others at quantiles
@@ -137,8 +141,12 @@ pub(crate) async fn mysql_key_domain(
     let reading = |e: sqlx::Error| {
         CoordinatorError::task_setup(&config.name, format!("reading the start bound from {table}: {e}"))
     };
-    let key = source_info
-        .mysql_columns
+    let statements = source_info
+        .reads
+        .downcast::<mysql::MySqlStatements>()
+        .ok_or_else(|| crate::engines::foreign_pool("MySQL/MariaDB"))?;
+    let key = statements
+        .columns
         .iter()
         .find(|c| c.name == config.key[0])
         .expect("validated");
@@ -150,11 +158,7 @@ pub(crate) async fn mysql_key_domain(
         let min = parse(min);
         let mut max = parse(max);
         if config.mode.appends() && config.open_transaction_bound {
-            let reads = SourceReads::MySql(mysql::MySqlStatements {
-                table: table.clone(),
-                columns: source_info.mysql_columns.clone(),
-            });
-            max = settled_max_key(&source_info.pool, &reads, config, table).await?;
+            max = settled_max_key(&source_info.pool, &source_info.reads, config, table).await?;
         }
         return Ok(integer_domain(first_key_type, min, max));
     }

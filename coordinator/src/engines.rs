@@ -1,0 +1,172 @@
+//! What the coordinator asks of each engine beyond the shared boundary
+//! (`tidemark_common::source`, `tidemark_common::target`): inspecting a source table against
+//! the task's contract, the key's domain, `source install`, and on the target side the table,
+//! ledger and epoch fence, and dead letters. Each engine answers in its own folder
+//! (`postgres/`, `mysql/`); the registry below is one line per engine, keyed by
+//! [`Engine::id`](tidemark_common::engines::Engine).
+
+use std::collections::BTreeMap;
+
+use tidemark_common::config::TaskConfig;
+use tidemark_common::cursor::{KeyDomain, KeyValue};
+use tidemark_common::engines::Engine;
+use tidemark_common::pg::{TableName, TableSql};
+use tidemark_common::source::SourcePool;
+use tidemark_common::target::TargetPool;
+use tidemark_proto::v1 as pb;
+
+use crate::checkpoints::ControlDb;
+use crate::error::CoordinatorError;
+use crate::planner::{PreparedTask, SourceColumn, SourceInfo};
+
+/// The coordinator's side of a source engine.
+#[async_trait::async_trait]
+pub(crate) trait SourceSide: Sync {
+    /// A pool on the task's source.
+    async fn connect(&self, config: &TaskConfig) -> Result<SourcePool, CoordinatorError>;
+
+    /// Connects and checks the task's contract against its table (ending in
+    /// [`crate::planner::source_info`]).
+    async fn inspect(&self, config: &TaskConfig) -> Result<SourceInfo, CoordinatorError>;
+
+    /// The table's columns as the PostgreSQL types a target stores them as (one that maps to
+    /// none shows as `unmapped <type>`, which changes the schema id); `None`: no such table.
+    async fn columns(
+        &self,
+        source: &SourcePool,
+        task: &str,
+        table: &TableName,
+    ) -> Result<Option<Vec<SourceColumn>>, CoordinatorError>;
+
+    /// The zone a naive (zoneless) cursor column is written in.
+    async fn naive_cursor_zone(
+        &self,
+        source: &SourcePool,
+        config: &TaskConfig,
+        cursor: &str,
+    ) -> Result<String, CoordinatorError>;
+
+    /// The first key's domain (for the shard ranges) and H0's largest key.
+    async fn key_domain(
+        &self,
+        source_info: &SourceInfo,
+        config: &TaskConfig,
+    ) -> Result<(KeyDomain, Option<KeyValue>), CoordinatorError>;
+
+    /// The planner's row estimate (for `status`'s progress), if the engine keeps one.
+    async fn estimated_rows(&self, source: &SourcePool, table: &TableName) -> Result<Option<i64>, sqlx::Error>;
+
+    /// `source install` for `version = "trigger"`.
+    async fn install_trigger_version(&self, config: &TaskConfig) -> Result<String, CoordinatorError>;
+
+    /// `source install` for `delete_policy = { kind = "tombstone_table" }`.
+    async fn install_delete_log(&self, config: &TaskConfig) -> Result<String, CoordinatorError>;
+}
+
+/// The coordinator's side of a target engine.
+#[async_trait::async_trait]
+pub(crate) trait TargetSide: Sync {
+    /// A pool on the task's target that connects on first use (status counts, dead letters).
+    fn lazy_pool(&self, config: &TaskConfig) -> Result<TargetPool, CoordinatorError>;
+
+    /// Creates what is missing (table, ledger, dead letters, epoch fence) and checks what
+    /// exists; returns the epoch the target's fence holds for the task.
+    async fn prepare(
+        &self,
+        config: &TaskConfig,
+        sql: &TableSql,
+        not_null: &[bool],
+        epoch: u64,
+    ) -> Result<Option<u64>, CoordinatorError>;
+
+    /// `tasks reinit`: raises the target's epoch fence to `epoch` and (with `alter_target`)
+    /// changes the table to the source's columns. Returns the changes made and the
+    /// differences left.
+    async fn reinit(
+        &self,
+        config: &TaskConfig,
+        sql: &TableSql,
+        not_null: &[bool],
+        epoch: u64,
+        alter_target: bool,
+    ) -> Result<(Vec<String>, Vec<String>), CoordinatorError>;
+
+    /// Dead letters per status.
+    async fn dead_letter_counts(&self, target: &TargetPool, task: &str) -> Result<BTreeMap<String, u64>, sqlx::Error>;
+
+    async fn list_dead_letters(
+        &self,
+        target: &TargetPool,
+        task: &str,
+        status: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<pb::DeadLetter>, CoordinatorError>;
+
+    async fn retry_dead_letters(
+        &self,
+        control: &ControlDb,
+        target: &TargetPool,
+        task: &PreparedTask,
+        keys: &[String],
+    ) -> Result<pb::RetryDeadLettersResponse, CoordinatorError>;
+
+    async fn resolve_dead_letters(
+        &self,
+        target: &TargetPool,
+        task: &str,
+        keys: &[String],
+        all_failed: bool,
+    ) -> Result<u64, CoordinatorError>;
+
+    async fn purge_dead_letters(
+        &self,
+        target: &TargetPool,
+        task: &str,
+        older_than: std::time::Duration,
+    ) -> Result<u64, CoordinatorError>;
+}
+
+/// The coordinator's engines, one line each: `(engine id, source side, target side)`.
+static SIDES: &[(&str, &dyn SourceSide, &dyn TargetSide)] = &[
+    ("postgres", &crate::postgres::Postgres, &crate::postgres::Postgres),
+    ("mysql", &crate::mysql::MySql, &crate::mysql::MySql),
+];
+
+fn sides_of(engine: &Engine) -> Result<(&'static dyn SourceSide, &'static dyn TargetSide), String> {
+    SIDES
+        .iter()
+        .find(|(id, _, _)| *id == engine.id)
+        .map(|(_, source, target)| (*source, *target))
+        .ok_or_else(|| format!("the coordinator has no {} support", engine.name))
+}
+
+fn sides(
+    task: &str,
+    role: &str,
+    url: &str,
+) -> Result<(&'static dyn SourceSide, &'static dyn TargetSide), CoordinatorError> {
+    let setup = |e: String| CoordinatorError::task_setup(task, format!("{role}: {e}"));
+    sides_of(tidemark_common::engines::of_url(url).map_err(setup)?).map_err(setup)
+}
+
+/// The coordinator's side of a source pool's engine.
+pub(crate) fn side_of_source(task: &str, source: &SourcePool) -> Result<&'static dyn SourceSide, CoordinatorError> {
+    Ok(sides_of(source.engine())
+        .map_err(|e| CoordinatorError::task_setup(task, format!("source: {e}")))?
+        .0)
+}
+
+/// The coordinator's side of the task's source engine.
+pub(crate) fn source_side(config: &TaskConfig) -> Result<&'static dyn SourceSide, CoordinatorError> {
+    Ok(sides(&config.name, "source", &config.source)?.0)
+}
+
+/// The coordinator's side of the task's target engine.
+pub(crate) fn target_side(config: &TaskConfig) -> Result<&'static dyn TargetSide, CoordinatorError> {
+    Ok(sides(&config.name, "target", &config.target)?.1)
+}
+
+/// The error of a pool handed to another engine's code (a bug, never the user's).
+pub(crate) fn foreign_pool(engine: &str) -> CoordinatorError {
+    CoordinatorError::InvalidRequest(format!("a pool of another engine handed to the {engine} code"))
+}
