@@ -459,26 +459,6 @@ async fn accumulate_counts_each_event_once(tag: &str, source: Engine, target: En
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn accumulate_postgres_to_postgres() {
-    accumulate_counts_each_event_once("acc_pp", Engine::Postgres, Engine::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn accumulate_postgres_to_mariadb() {
-    accumulate_counts_each_event_once("acc_pm", Engine::Postgres, Engine::MariaDb).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn accumulate_mariadb_to_postgres() {
-    accumulate_counts_each_event_once("acc_mp", Engine::MariaDb, Engine::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn accumulate_mariadb_to_mariadb() {
-    accumulate_counts_each_event_once("acc_mm", Engine::MariaDb, Engine::MariaDb).await;
-}
-
 /// The append suite every pair runs: rows read once in key order, 5,000 before the task
 /// starts and 1,000 inserted while it runs, per key with the key as the version.
 async fn append_reads_every_row_once(tag: &str, source: Engine, target: Engine) {
@@ -509,26 +489,6 @@ async fn append_reads_every_row_once(tag: &str, source: Engine, target: Engine) 
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn append_postgres_to_postgres() {
-    append_reads_every_row_once("app_pp", Engine::Postgres, Engine::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn append_postgres_to_mariadb() {
-    append_reads_every_row_once("app_pm", Engine::Postgres, Engine::MariaDb).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn append_mariadb_to_postgres() {
-    append_reads_every_row_once("app_mp", Engine::MariaDb, Engine::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn append_mariadb_to_mariadb() {
-    append_reads_every_row_once("app_mm", Engine::MariaDb, Engine::MariaDb).await;
 }
 
 /// The poison-row suite every pair runs: after the snapshot the target refuses negative
@@ -572,42 +532,52 @@ async fn poison_rows_are_dead_letters_and_the_rest_converges(tag: &str, source: 
     assert_eq!(keys, poison, "{listed}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_rows_postgres_to_postgres() {
-    poison_rows_are_dead_letters_and_the_rest_converges("poison_pp", Engine::Postgres, Engine::Postgres).await;
+/// Every suite for every pair of engines: one line per engine here. The tests are named
+/// `<source>::<target>::<suite>`.
+macro_rules! pair_suites {
+    ($($engine:ident => $value:expr),+ $(,)?) => {
+        pair_suites!(@sources [$($engine => $value),+] [$($engine => $value),+]);
+    };
+    (@sources [$($source:ident => $source_value:expr),+] $targets:tt) => {
+        $(
+            mod $source {
+                use super::*;
+                pair_suites!(@targets $source, $source_value, $targets);
+            }
+        )+
+    };
+    (@targets $source:ident, $source_value:expr, [$($target:ident => $target_value:expr),+]) => {
+        $(
+            mod $target {
+                use super::*;
+
+                fn tag(suite: &str) -> String {
+                    format!("{suite}_{}_{}", stringify!($source), stringify!($target))
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn sync_incremental_and_soft_deletes() {
+                    super::super::sync_incremental_and_soft_deletes(&tag("pair"), $source_value, $target_value).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn poison_rows() {
+                    poison_rows_are_dead_letters_and_the_rest_converges(&tag("poison"), $source_value, $target_value)
+                        .await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn accumulate() {
+                    accumulate_counts_each_event_once(&tag("acc"), $source_value, $target_value).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn append() {
+                    append_reads_every_row_once(&tag("app"), $source_value, $target_value).await;
+                }
+            }
+        )+
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_rows_postgres_to_mariadb() {
-    poison_rows_are_dead_letters_and_the_rest_converges("poison_pm", Engine::Postgres, Engine::MariaDb).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_rows_mariadb_to_postgres() {
-    poison_rows_are_dead_letters_and_the_rest_converges("poison_mp", Engine::MariaDb, Engine::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_rows_mariadb_to_mariadb() {
-    poison_rows_are_dead_letters_and_the_rest_converges("poison_mm", Engine::MariaDb, Engine::MariaDb).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_to_postgres() {
-    sync_incremental_and_soft_deletes("pair_pp", Engine::Postgres, Engine::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_to_mariadb() {
-    sync_incremental_and_soft_deletes("pair_pm", Engine::Postgres, Engine::MariaDb).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mariadb_to_postgres() {
-    sync_incremental_and_soft_deletes("pair_mp", Engine::MariaDb, Engine::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mariadb_to_mariadb() {
-    sync_incremental_and_soft_deletes("pair_mm", Engine::MariaDb, Engine::MariaDb).await;
-}
+pair_suites!(postgres => Engine::Postgres, mariadb => Engine::MariaDb);
