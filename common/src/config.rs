@@ -136,6 +136,13 @@ pub struct TaskConfig {
     /// column, so drift at an equal version is found) or `versions` (cheaper).
     #[serde(default)]
     pub reconcile_compare: ReconcileCompare,
+    /// What a change of the source table's columns does: `pause` (default: `schema changed
+    /// … reinitialization required`) or `evolve`: a column added without a value for the
+    /// rows already there (nullable, no default, not generated) is added to the target and
+    /// the live epoch, and the rows changed since the change are read again; every other
+    /// change still pauses by name. Upsert mode only.
+    #[serde(default)]
+    pub schema_changes: SchemaChanges,
     /// Clauses of the source contract the operator relies on; the coordinator refuses to
     /// start a task whose configuration cannot deliver one (see `contract`).
     #[serde(default)]
@@ -210,6 +217,15 @@ impl ReconcileCompare {
             other => Err(format!("compare {other:?} is not \"content\" or \"versions\"")),
         }
     }
+}
+
+/// What a change of the source's columns does (see `TaskConfig::schema_changes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SchemaChanges {
+    #[default]
+    Pause,
+    Evolve,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -541,6 +557,13 @@ impl Config {
             }
             if task.page_size == 0 {
                 return Err(invalid(format!("task {name}: page_size must be at least 1")));
+            }
+            if task.schema_changes == SchemaChanges::Evolve && task.mode != TaskMode::Upsert {
+                return Err(invalid(format!(
+                    "task {name}: schema_changes = \"evolve\" needs mode = \"upsert\" ({} reads each row once, so \
+                     rows read before a column was added would never be read again with it)",
+                    task.mode.as_str()
+                )));
             }
             if task.poll_interval.is_zero() {
                 return Err(invalid(format!("task {name}: poll_interval must be positive")));

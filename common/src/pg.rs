@@ -539,9 +539,25 @@ impl TableSql {
         )
     }
 
-    /// The session-local staging table a batch is copied into before the upsert.
+    /// The session-local staging table a batch is copied into before the upsert. Its name
+    /// carries a hash of the columns: a pooled session that staged for the table before its
+    /// columns changed (`schema_changes = "evolve"`, `tasks reinit --alter-target`) creates a
+    /// new one instead of copying into one of the old shape.
     pub fn stage_table(&self) -> String {
-        quote_ident(&derived_name("tidemark_stage_", &self.target.name, ""))
+        use sha2::{Digest, Sha256};
+        let mut hasher = Sha256::new();
+        for column in &self.columns {
+            hasher.update(column.name.as_bytes());
+            hasher.update(b" ");
+            hasher.update(column.sql_type.as_bytes());
+            hasher.update(b"\n");
+        }
+        let shape = &hex::encode(hasher.finalize())[..8];
+        quote_ident(&derived_name(
+            "tidemark_stage_",
+            &self.target.name,
+            &format!("_{shape}"),
+        ))
     }
 
     /// The stage table has the target's columns without their constraints (a tombstone
@@ -945,6 +961,28 @@ pub fn row_error_class(code: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_changed_column_set_gets_its_own_stage_table() {
+        // A pooled session keeps its temporary stage table: after the target's columns
+        // change, copying into the old one would fail (or miss the new column).
+        let before = items();
+        let mut added = items();
+        added.columns.push(Column {
+            name: "color".into(),
+            sql_type: "text".into(),
+        });
+        let mut retyped = items();
+        retyped.columns[1].sql_type = "bigint".into();
+        assert_ne!(before.stage_table(), added.stage_table());
+        assert_ne!(before.stage_table(), retyped.stage_table());
+        assert_eq!(before.stage_table(), items().stage_table());
+        assert!(
+            before.stage_table().starts_with("\"tidemark_stage_items_"),
+            "{}",
+            before.stage_table()
+        );
+    }
 
     fn items() -> TableSql {
         TableSql {

@@ -296,6 +296,92 @@ impl ControlDb {
         Ok(true)
     }
 
+    /// The epoch's watermark: the lowest floor among its shards (a shard still in its
+    /// snapshot counts with the epoch's incremental start, where its incremental reading
+    /// begins).
+    pub async fn epoch_floor(&self, task: &str, epoch: &EpochRecord) -> Result<Option<i64>, CoordinatorError> {
+        let cursors: Vec<serde_json::Value> =
+            sqlx::query_scalar("SELECT cursor FROM checkpoints WHERE task = $1 AND epoch = $2 AND NOT retired")
+                .bind(task)
+                .bind(epoch.epoch as i64)
+                .fetch_all(&self.pool)
+                .await?;
+        let start = epoch.incremental_start.incremental_time();
+        let mut floor: Option<i64> = None;
+        for cursor in cursors {
+            let shard = decode_cursor(cursor)?.incremental_time().or(start);
+            floor = match (floor, shard) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        Ok(floor)
+    }
+
+    /// `schema_changes = "evolve"`: the live epoch takes the source's columns (`columns`,
+    /// `schema_id`) in place of `old_schema_id`'s, every incremental shard whose floor is
+    /// above `reread_from_micros` reads again from there, and every shard's checkpoint
+    /// version moves on, so that a run holding the old columns can commit nothing more and
+    /// its next run reads with the new ones. Staged batches are abandoned. False when the
+    /// epoch no longer has `old_schema_id` (another leader evolved it, or a reinit).
+    pub async fn evolve_epoch(
+        &self,
+        task: &str,
+        epoch: u64,
+        old_schema_id: &str,
+        schema_id: &str,
+        columns: &serde_json::Value,
+        reread_from_micros: i64,
+    ) -> Result<bool, CoordinatorError> {
+        let mut tx = self.pool.begin().await?;
+        let changed = sqlx::query(
+            "UPDATE epochs SET schema_id = $4, columns = $5 WHERE task = $1 AND epoch = $2 AND schema_id = $3",
+        )
+        .bind(task)
+        .bind(epoch as i64)
+        .bind(old_schema_id)
+        .bind(schema_id)
+        .bind(columns)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if changed != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        let shards: Vec<(i32, serde_json::Value)> = sqlx::query_as(
+            "SELECT shard_id, cursor FROM checkpoints WHERE task = $1 AND epoch = $2 ORDER BY shard_id FOR UPDATE",
+        )
+        .bind(task)
+        .bind(epoch as i64)
+        .fetch_all(&mut *tx)
+        .await?;
+        for (shard_id, cursor) in shards {
+            let cursor = decode_cursor(cursor)?;
+            let reread = cursor
+                .incremental_time()
+                .is_some_and(|floor| floor > reread_from_micros)
+                .then(|| Cursor::incremental_at(epoch, reread_from_micros));
+            sqlx::query(
+                "UPDATE checkpoints SET cursor = COALESCE($4, cursor), version = version + 1, updated_at = now() \
+                 WHERE task = $1 AND epoch = $2 AND shard_id = $3",
+            )
+            .bind(task)
+            .bind(epoch as i64)
+            .bind(shard_id)
+            .bind(reread.as_ref().map(cursor_json))
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query("UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND state = 'STAGED'")
+            .bind(task)
+            .bind(epoch as i64)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
     /// The epoch's row and its shards, each starting its snapshot.
     async fn insert_epoch(tx: &mut sqlx::PgConnection, plan: &EpochPlan) -> Result<(), CoordinatorError> {
         sqlx::query(

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use tidemark_common::config::TaskConfig;
 use tidemark_common::cursor::{KeyDomain, KeyValue};
 use tidemark_common::engines::Engine;
-use tidemark_common::pg::{TableName, TableSql};
+use tidemark_common::pg::{Column, TableName, TableSql};
 use tidemark_common::source::SourcePool;
 use tidemark_common::target::TargetPool;
 use tidemark_proto::v1 as pb;
@@ -56,6 +56,16 @@ pub(crate) trait SourceSide: Sync {
     /// The planner's row estimate (for `status`'s progress), if the engine keeps one.
     async fn estimated_rows(&self, source: &SourcePool, table: &TableName) -> Result<Option<i64>, sqlx::Error>;
 
+    /// Which of the table's columns `names` gave the rows already there a value when they
+    /// were added (a default, a generated or identity column), or are NOT NULL: such a column
+    /// cannot evolve an epoch (those rows changed without their cursor moving).
+    async fn prefilled_columns(
+        &self,
+        source: &SourcePool,
+        table: &TableName,
+        names: &[String],
+    ) -> Result<Vec<String>, CoordinatorError>;
+
     /// `source install` for `version = "trigger"`.
     async fn install_trigger_version(&self, config: &TaskConfig) -> Result<String, CoordinatorError>;
 
@@ -90,6 +100,15 @@ pub(crate) trait TargetSide: Sync {
         epoch: u64,
         alter_target: bool,
     ) -> Result<(Vec<String>, Vec<String>), CoordinatorError>;
+
+    /// Adds columns the source gained to the target table (nullable; `schema_changes =
+    /// "evolve"`); returns the statements run.
+    async fn add_columns(
+        &self,
+        config: &TaskConfig,
+        table: &TableName,
+        columns: &[Column],
+    ) -> Result<Vec<String>, CoordinatorError>;
 
     /// Dead letters per status.
     async fn dead_letter_counts(&self, target: &TargetPool, task: &str) -> Result<BTreeMap<String, u64>, sqlx::Error>;

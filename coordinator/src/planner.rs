@@ -32,6 +32,7 @@ pub struct PreparedTask {
     pub version_column: Option<String>,
 }
 
+#[derive(Clone)]
 pub(crate) struct SourceColumn {
     pub(crate) column: Column,
     pub(crate) not_null: bool,
@@ -384,6 +385,17 @@ pub fn lazy_target_pool(config: &TaskConfig) -> Result<TargetPool, CoordinatorEr
     engines::target_side(config)?.lazy_pool(config)
 }
 
+/// Columns as an epoch stores them (see `checkpoints::stored_columns`).
+pub(crate) fn columns_json(columns: &[Column]) -> serde_json::Value {
+    serde_json::to_value(
+        columns
+            .iter()
+            .map(|c| (c.name.clone(), c.sql_type.clone()))
+            .collect::<Vec<_>>(),
+    )
+    .expect("columns serialize")
+}
+
 /// The columns an epoch froze.
 pub fn epoch_columns(task: &str, epoch: &EpochRecord) -> Result<Vec<Column>, CoordinatorError> {
     crate::checkpoints::stored_columns(epoch.columns.clone())
@@ -600,13 +612,7 @@ pub(crate) async fn plan_epoch(
         .map_err(reading)?
         .filter(|n: &i64| *n >= 0);
     let _ = first_key_type;
-    let columns_json = serde_json::to_value(
-        columns
-            .iter()
-            .map(|c| (c.name.clone(), c.sql_type.clone()))
-            .collect::<Vec<_>>(),
-    )
-    .expect("columns serialize");
+    let columns_json = columns_json(&columns);
     Ok(EpochPlan {
         task: config.name.clone(),
         epoch,

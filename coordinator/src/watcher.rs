@@ -9,16 +9,18 @@
 //!   subscriber); a prepared transaction is shown in `status` while it holds the watermark;
 //! - `schema changed`: a column of the source table was added, dropped, renamed or changed
 //!   its type (or a key or cursor column lost its NOT NULL) since the epoch was planned (the workers also refuse every page read after such
-//!   a change, so none reaches the target before the pause).
+//!   a change, so none reaches the target before the pause). With `schema_changes =
+//!   "evolve"`, columns added without a value for the rows already there evolve the live
+//!   epoch instead (see [`evolve`]).
 
 use std::time::Duration;
 
-use tidemark_common::config::DeletePolicy;
+use tidemark_common::config::{DeletePolicy, SchemaChanges};
 use tidemark_common::cursor::format_micros;
 use tidemark_common::duration::format_duration;
 use tidemark_common::pg::{TableName, TableSql, visibility};
 
-use crate::checkpoints::ControlDb;
+use crate::checkpoints::{ControlDb, EpochRecord};
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
 use crate::planner::{self, PreparedTask};
@@ -73,6 +75,10 @@ const MAX_FAILED_CHECKS: u32 = 5;
 struct Seen {
     /// The newest finite cursor time of the source table at the last round.
     newest_cursor_micros: Option<i64>,
+    /// `(epoch, floor)`: the epoch's watermark read just before a round found the source's
+    /// columns unchanged. A column added later was added after it, so every row changed
+    /// since carries a cursor time at or above it (see [`evolve`]).
+    confirmed_floor: Option<(u64, i64)>,
 }
 
 async fn check(
@@ -91,12 +97,36 @@ async fn check(
         return Ok(());
     }
     // Test hook: without the watcher's check, only the workers' refusal guards the target.
-    let watch_schema = std::env::var_os("TIDEMARK_TEST_NO_SCHEMA_WATCH").is_none();
-    if watch_schema && let Some(reason) = schema_change(control, task, pool).await? {
-        if control.pause_task(name, &reason).await? {
-            tracing::error!(task = name, %reason, "pausing task");
+    // Test hook: while this file exists the check is skipped (the last confirmed watermark
+    // stays), so a test can have rows read without a column before the change is seen.
+    let gated = std::env::var_os("TIDEMARK_TEST_SCHEMA_WATCH_GATE").is_some_and(|f| std::path::Path::new(&f).exists());
+    let watch_schema = std::env::var_os("TIDEMARK_TEST_NO_SCHEMA_WATCH").is_none() && !gated;
+    if watch_schema {
+        let Some(epoch) = control.current_epoch(name).await? else {
+            return Ok(());
+        };
+        // Read before the columns: see `Seen::confirmed_floor`.
+        let floor = control.epoch_floor(name, &epoch).await?;
+        match schema_change(task, pool, &epoch).await? {
+            None => seen.confirmed_floor = floor.map(|floor| (epoch.epoch, floor)),
+            Some(drift) => {
+                let confirmed = seen.confirmed_floor.filter(|(e, _)| *e == epoch.epoch).map(|(_, f)| f);
+                let reason = match task.config.schema_changes {
+                    SchemaChanges::Evolve => match evolve(control, task, pool, &epoch, &drift, confirmed).await? {
+                        Ok(()) => {
+                            seen.confirmed_floor = None;
+                            return Ok(());
+                        }
+                        Err(reason) => reason,
+                    },
+                    SchemaChanges::Pause => drift.reason,
+                };
+                if control.pause_task(name, &reason).await? {
+                    tracing::error!(task = name, %reason, "pausing task");
+                }
+                return Ok(());
+            }
         }
-        return Ok(());
     }
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
     if task.config.open_transaction_bound {
@@ -378,21 +408,119 @@ async fn pause(control: &ControlDb, task: &str, reason: &str) -> Result<(), Coor
     Ok(())
 }
 
-/// Whether the source table's columns (names and types, in order) differ from the current
-/// epoch's; `Some(reason)` when they do or the table is gone.
+/// How the source table's columns differ from the epoch's.
+struct Drift {
+    /// The columns now; `None`: the table is gone.
+    columns: Option<Vec<planner::SourceColumn>>,
+    schema_id: String,
+    reason: String,
+}
+
+/// Whether the source table's columns (names and types, in order) differ from the epoch's.
 async fn schema_change(
+    task: &PreparedTask,
+    source: &SourcePool,
+    epoch: &EpochRecord,
+) -> Result<Option<Drift>, CoordinatorError> {
+    let name = task.config.name.as_str();
+    let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
+    let columns = planner::introspect_source(source, name, &table).await?;
+    let now = match &columns {
+        Some(columns) => planner::schema_id(columns, &planner::required_columns(&task.config), &epoch.schema_id),
+        None => "no table".to_string(),
+    };
+    Ok((now != epoch.schema_id).then(|| Drift {
+        reason: planner::schema_changed_reason(&table, epoch.epoch, &now, &epoch.schema_id),
+        columns,
+        schema_id: now,
+    }))
+}
+
+/// `schema_changes = "evolve"`: when the only difference is columns added without a value for
+/// the rows already there, adds them to the target table (nullable) and to the live epoch,
+/// and has every shard read again from `confirmed_floor` (rows changed since the column was
+/// added may have been read without it). Where no floor was confirmed under this epoch (a
+/// new leader), the shards read again from the epoch's incremental start. `Ok(Err(reason))`:
+/// the change is not additive, and the task pauses with the reason.
+async fn evolve(
     control: &ControlDb,
     task: &PreparedTask,
     source: &SourcePool,
-) -> Result<Option<String>, CoordinatorError> {
-    let name = task.config.name.as_str();
-    let Some(epoch) = control.current_epoch(name).await? else {
-        return Ok(None);
+    epoch: &EpochRecord,
+    drift: &Drift,
+    confirmed_floor: Option<i64>,
+) -> Result<Result<(), String>, CoordinatorError> {
+    let config = &task.config;
+    let name = config.name.as_str();
+    let Some(columns) = &drift.columns else {
+        return Ok(Err(drift.reason.clone()));
     };
-    let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
-    let now = match planner::introspect_source(source, name, &table).await? {
-        Some(columns) => planner::schema_id(&columns, &planner::required_columns(&task.config), &epoch.schema_id),
-        None => "no table".to_string(),
+    let planned = planner::epoch_columns(name, epoch)?;
+    let (kept, added): (Vec<_>, Vec<_>) = columns
+        .iter()
+        .cloned()
+        .partition(|c| planned.iter().any(|p| p.name == c.column.name));
+    let required = planner::required_columns(config);
+    if added.is_empty() || planner::schema_id(&kept, &required, &epoch.schema_id) != epoch.schema_id {
+        return Ok(Err(format!(
+            "{} (schema_changes = \"evolve\" covers added columns only; a column was dropped, renamed, reordered \
+             or changed its type)",
+            drift.reason
+        )));
+    }
+    let table = TableName::parse(&config.source_table).map_err(CoordinatorError::InvalidRequest)?;
+    if let Some(unmapped) = added.iter().find(|c| c.column.sql_type.starts_with("unmapped ")) {
+        return Ok(Err(format!(
+            "{}: added column {:?} is of a type Tidemark does not map ({})",
+            drift.reason,
+            unmapped.column.name,
+            unmapped.column.sql_type.trim_start_matches("unmapped ")
+        )));
+    }
+    let names: Vec<String> = added.iter().map(|c| c.column.name.clone()).collect();
+    let prefilled = crate::engines::source_side(config)?
+        .prefilled_columns(source, &table, &names)
+        .await?;
+    if !prefilled.is_empty() {
+        return Ok(Err(format!(
+            "{}: column(s) {} of {table} were added with a value for the rows already there (a default, a generated \
+             or identity column, or NOT NULL), which changed those rows without moving their cursor; \
+             schema_changes = \"evolve\" cannot carry that over",
+            drift.reason,
+            prefilled.join(", ")
+        )));
+    }
+    let reread_from = match (confirmed_floor, epoch.incremental_start.incremental_time()) {
+        (Some(floor), _) => floor,
+        (None, Some(start)) => {
+            tracing::warn!(
+                task = name,
+                "no watermark confirmed before the column was added: reading again from the epoch's start"
+            );
+            start
+        }
+        (None, None) => return Ok(Err(drift.reason.clone())),
     };
-    Ok((now != epoch.schema_id).then(|| planner::schema_changed_reason(&table, epoch.epoch, &now, &epoch.schema_id)))
+    let target = TableName::parse(&config.target_table).map_err(CoordinatorError::InvalidRequest)?;
+    let added_columns: Vec<_> = added.iter().map(|c| c.column.clone()).collect();
+    let statements = crate::engines::target_side(config)?
+        .add_columns(config, &target, &added_columns)
+        .await?;
+    let all: Vec<_> = columns.iter().map(|c| c.column.clone()).collect();
+    if !control
+        .evolve_epoch(
+            name,
+            epoch.epoch,
+            &epoch.schema_id,
+            &drift.schema_id,
+            &planner::columns_json(&all),
+            reread_from,
+        )
+        .await?
+    {
+        return Ok(Ok(()));
+    }
+    tracing::warn!(task = name, epoch = epoch.epoch, added = ?names, ?statements, reread_from = %format_micros(reread_from),
+        "source columns added: the epoch evolved, the target gained them, and shards read again from the confirmed watermark");
+    Ok(Ok(()))
 }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use tidemark_tests::{Cluster, KeyKind, TaskSettings, TestDb, create_items};
+use tidemark_tests::{Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, TestDb, compare, create_items};
 
 async fn quantities(db: &TestDb) -> BTreeMap<i64, Option<String>> {
     sqlx::query_as::<_, (i64, Option<String>)>("SELECT id, qty::text FROM items WHERE id % 10 = 0")
@@ -153,4 +153,137 @@ async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
         .await
         .unwrap();
     assert_eq!(qty_type, "bigint");
+}
+
+/// `schema_changes = "evolve"`: a column added without a value for the existing rows joins the
+/// live epoch and the target without a re-snapshot. The column is added in the transaction
+/// that fills it for some rows, and more rows get it after; the coordinator's check is held
+/// back (a test gate) until the shards have read all of them without the column they do not
+/// know yet and the watermark has passed them. Then the epoch evolves, the shards read again
+/// from the watermark confirmed before the change, and every key converges: the column's
+/// values, every other column, the version. The epoch stays 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_added_column_evolves_the_live_epoch_and_converges_per_key() {
+    let mut cluster = Cluster::new("evolve").await;
+    create_items(&cluster.source, KeyKind::Bigint, 3_000).await;
+    let dir = tidemark_tests::TempDir::new("evolve-gate");
+    let gate = dir.0.join("gate");
+    let settings = TaskSettings {
+        shards: 2,
+        extra: "schema_changes = \"evolve\"".into(),
+        coordinator_env: vec![("TIDEMARK_TEST_SCHEMA_WATCH_GATE", gate.display().to_string())],
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    cluster.spawn_worker("a", 2, &[]);
+    cluster.spawn_worker("b", 2, &[]);
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    // The check has confirmed the columns at least once by now (it runs every 500 ms).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    std::fs::write(&gate, b"").unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    cluster
+        .source
+        .exec(
+            "BEGIN; ALTER TABLE items ADD COLUMN color text; \
+             UPDATE items SET color = 'c' || id, qty = coalesce(qty, 0) + 1, updated_at = clock_timestamp() \
+             WHERE id % 7 = 0; SELECT pg_sleep(2); COMMIT",
+        )
+        .await;
+    cluster
+        .source
+        .exec("UPDATE items SET color = 'late' || id, updated_at = clock_timestamp() WHERE id % 11 = 0")
+        .await;
+    let changed = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(changed, Duration::from_secs(60)).await;
+    let colored = |db: &TestDb| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM information_schema.columns WHERE table_name = 'items' AND column_name = 'color'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(
+        colored(&cluster.target).await,
+        0,
+        "the change is not seen yet, so the target lacks the column"
+    );
+    std::fs::remove_file(&gate).unwrap();
+    let evolved = cluster.source_now_micros().await;
+    let status = cluster
+        .wait_for("the watermark past the evolution", Duration::from_secs(90), |t| {
+            t.phase == "paused" || t.watermark_micros.is_some_and(|w| w > evolved)
+        })
+        .await;
+    assert_ne!(status.phase, "paused", "{}", status.paused_reason);
+    assert_eq!(status.epoch, 1, "evolved in place, not a new epoch");
+    let mut columns = ITEM_COLUMNS.to_vec();
+    columns.push("color");
+    let diff = compare(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        &["id"],
+        &columns,
+        "updated_at",
+    )
+    .await;
+    diff.assert_clean("after the column was added");
+    let colored: i64 = sqlx::query_scalar("SELECT count(*) FROM items WHERE color IS NOT NULL")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        colored,
+        (1..=3000).filter(|id| id % 7 == 0 || id % 11 == 0).count() as i64
+    );
+    let log = cluster.coordinator.as_ref().unwrap().log_text();
+    assert!(log.contains("source columns added: the epoch evolved"), "{log}");
+}
+
+/// A column added with a default changed every existing row without moving its cursor:
+/// `evolve` cannot carry that over, and the task pauses by name; nothing of the change reaches
+/// the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_added_with_a_default_pauses_by_name_under_evolve() {
+    let mut cluster = Cluster::new("evolve_default").await;
+    create_items(&cluster.source, KeyKind::Bigint, 1_000).await;
+    let settings = TaskSettings {
+        shards: 2,
+        extra: "schema_changes = \"evolve\"".into(),
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    cluster.spawn_worker("a", 2, &[]);
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    cluster
+        .source
+        .exec("ALTER TABLE items ADD COLUMN flag integer DEFAULT 7")
+        .await;
+    let paused = cluster
+        .wait_for("the pause", Duration::from_secs(60), |t| t.phase == "paused")
+        .await;
+    assert!(
+        paused
+            .paused_reason
+            .starts_with("schema changed: source columns of public.items")
+            && paused
+                .paused_reason
+                .contains("column(s) flag of public.items were added with a value for the rows already there"),
+        "{}",
+        paused.paused_reason
+    );
+    let has_flag: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT FROM information_schema.columns WHERE table_name = 'items' AND column_name = 'flag')",
+    )
+    .fetch_one(&cluster.target.pool)
+    .await
+    .unwrap();
+    assert!(!has_flag, "the target was not changed");
 }

@@ -200,49 +200,30 @@ impl From<WriteError> for WorkerError {
     }
 }
 
-/// Work done with a target engine's transaction type.
-trait OnTarget {
-    type Output;
-    async fn run<T: TargetTx>(self, pool: &T::Pool) -> Result<Self::Output, WorkerError>;
+/// The target engines this worker applies batches to, one line each: runs
+/// `function::<Tx>(pool, args…)` with the transaction type of `target`'s engine.
+macro_rules! on_target {
+    ($target:expr, $function:ident($($arg:expr),*)) => {
+        if let Some(pool) = postgres::PgTx::pool_of($target) {
+            $function::<postgres::PgTx>(pool, $($arg),*).await
+        } else if let Some(pool) = mysql::MySqlTx::pool_of($target) {
+            $function::<mysql::MySqlTx>(pool, $($arg),*).await
+        } else {
+            Err(WorkerError::Assignment(format!(
+                "this worker cannot apply batches to a {} target",
+                $target.engine().name
+            )))
+        }
+    };
 }
 
-/// The target engines this worker applies batches to, one line each.
-async fn on_target<Op: OnTarget>(target: &TargetPool, op: Op) -> Result<Op::Output, WorkerError> {
-    if let Some(pool) = postgres::PgTx::pool_of(target) {
-        return op.run::<postgres::PgTx>(pool).await;
-    }
-    if let Some(pool) = mysql::MySqlTx::pool_of(target) {
-        return op.run::<mysql::MySqlTx>(pool).await;
-    }
-    Err(WorkerError::Assignment(format!(
-        "this worker cannot apply batches to a {} target",
-        target.engine().name
-    )))
-}
-
-struct Apply<'a, 'b>(&'a BatchToApply<'b>);
-
-impl OnTarget for Apply<'_, '_> {
-    type Output = Applied;
-
-    async fn run<T: TargetTx>(self, pool: &T::Pool) -> Result<Applied, WorkerError> {
-        apply_with::<T>(pool, self.0).await
-    }
-}
-
-struct LedgerHash<'a>(&'a str);
-
-impl OnTarget for LedgerHash<'_> {
-    type Output = Option<String>;
-
-    async fn run<T: TargetTx>(self, pool: &T::Pool) -> Result<Option<String>, WorkerError> {
-        Ok(T::ledger_hash(pool, self.0).await?)
-    }
+async fn ledger_hash<T: TargetTx>(pool: &T::Pool, batch_id: &str) -> Result<Option<String>, WorkerError> {
+    Ok(T::ledger_hash(pool, batch_id).await?)
 }
 
 /// Applies a batch.
 pub async fn apply_batch(target: &TargetPool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
-    on_target(target, Apply(batch)).await
+    on_target!(target, apply_with(batch))
 }
 
 async fn apply_with<T: TargetTx>(target: &T::Pool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
@@ -557,7 +538,7 @@ async fn finish<T: TargetTx>(
 
 /// Whether the target's ledger holds `batch_id` with this content: the batch was applied.
 pub async fn ledger_holds(target: &TargetPool, batch_id: &str, content_hash: &str) -> Result<bool, WorkerError> {
-    let stored = on_target(target, LedgerHash(batch_id)).await?;
+    let stored = on_target!(target, ledger_hash(batch_id))?;
     Ok(stored.as_deref() == Some(content_hash))
 }
 

@@ -248,6 +248,17 @@ pub fn create_target_table(sql: &TableSql, not_null: &[bool], collation: &str) -
     )
 }
 
+/// Adds a column the source gained (nullable, in the table's default collation), unless it is
+/// there already.
+pub fn add_column(table: &TableName, column: &crate::pg::Column) -> String {
+    format!(
+        "ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}",
+        quoted_table(table),
+        quote_ident(&column.name),
+        column_type(&column.sql_type, false)
+    )
+}
+
 /// The kept tombstones of a task with a delete policy: its key columns (mapped as keys) and
 /// the version.
 pub fn create_tombstone_table(sql: &TableSql, tombstones: &TableName, collation: &str) -> String {

@@ -13,7 +13,7 @@ use sqlx::mysql::MySqlPool;
 use tidemark_common::config::TaskConfig;
 use tidemark_common::cursor::{KeyDomain, KeyValue};
 use tidemark_common::mysql::connector::{mysql_source, mysql_target};
-use tidemark_common::pg::{TableName, TableSql};
+use tidemark_common::pg::{Column, TableName, TableSql};
 use tidemark_common::source::SourcePool;
 use tidemark_common::target::TargetPool;
 use tidemark_proto::v1 as pb;
@@ -78,6 +78,26 @@ impl SourceSide for MySql {
         }
     }
 
+    async fn prefilled_columns(
+        &self,
+        source: &SourcePool,
+        table: &TableName,
+        names: &[String],
+    ) -> Result<Vec<String>, CoordinatorError> {
+        // MariaDB shows a nullable column without a default as the text `NULL`.
+        let filled: Vec<String> = sqlx::query_scalar(
+            "SELECT CAST(COLUMN_NAME AS CHAR) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? \
+             AND ((COLUMN_DEFAULT IS NOT NULL AND COLUMN_DEFAULT <> 'NULL') OR EXTRA <> '' OR IS_NULLABLE = 'NO') \
+             ORDER BY ORDINAL_POSITION",
+        )
+        .bind(&table.schema)
+        .bind(&table.name)
+        .fetch_all(source_pool(source)?)
+        .await
+        .map_err(CoordinatorError::Source)?;
+        Ok(filled.into_iter().filter(|name| names.contains(name)).collect())
+    }
+
     async fn install_trigger_version(&self, config: &TaskConfig) -> Result<String, CoordinatorError> {
         install::install_trigger_version(config).await
     }
@@ -116,6 +136,28 @@ impl TargetSide for MySql {
             target::reinit(config, sql, not_null, epoch, alter_target).await?,
             Vec::new(),
         ))
+    }
+
+    async fn add_columns(
+        &self,
+        config: &TaskConfig,
+        table: &TableName,
+        columns: &[Column],
+    ) -> Result<Vec<String>, CoordinatorError> {
+        let statements: Vec<String> = columns
+            .iter()
+            .map(|c| tidemark_common::mysql::target::add_column(table, c))
+            .collect();
+        let target = target::pool(config)?;
+        for statement in &statements {
+            // MySQL's DDL commits as it goes; each statement is idempotent.
+            sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+                .execute(&target)
+                .await
+                .map_err(|e| CoordinatorError::task_setup(&config.name, format!("target table {table}: {e}")))?;
+        }
+        target.close().await;
+        Ok(statements)
     }
 
     async fn dead_letter_counts(&self, target: &TargetPool, task: &str) -> Result<BTreeMap<String, u64>, sqlx::Error> {

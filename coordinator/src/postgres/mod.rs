@@ -13,7 +13,7 @@ use sqlx::postgres::PgPool;
 use tidemark_common::config::TaskConfig;
 use tidemark_common::cursor::{KeyDomain, KeyValue};
 use tidemark_common::pg::connector::{pg_source, pg_target};
-use tidemark_common::pg::{TableName, TableSql};
+use tidemark_common::pg::{Column, TableName, TableSql};
 use tidemark_common::source::SourcePool;
 use tidemark_common::target::TargetPool;
 use tidemark_proto::v1 as pb;
@@ -78,6 +78,23 @@ impl SourceSide for Postgres {
         }
     }
 
+    async fn prefilled_columns(
+        &self,
+        source: &SourcePool,
+        table: &TableName,
+        names: &[String],
+    ) -> Result<Vec<String>, CoordinatorError> {
+        sqlx::query_scalar(
+            "SELECT attname::text FROM pg_attribute WHERE attrelid = $1::regclass AND attname = ANY($2) \
+             AND (atthasdef OR atthasmissing OR attnotnull OR attgenerated <> '' OR attidentity <> '') ORDER BY attnum",
+        )
+        .bind(table.quoted())
+        .bind(names)
+        .fetch_all(source_pool(source)?)
+        .await
+        .map_err(CoordinatorError::Source)
+    }
+
     async fn install_trigger_version(&self, config: &TaskConfig) -> Result<String, CoordinatorError> {
         install::install_trigger_version(config).await
     }
@@ -112,6 +129,37 @@ impl TargetSide for Postgres {
         alter_target: bool,
     ) -> Result<(Vec<String>, Vec<String>), CoordinatorError> {
         target::reinit(config, sql, not_null, epoch, alter_target).await
+    }
+
+    async fn add_columns(
+        &self,
+        config: &TaskConfig,
+        table: &TableName,
+        columns: &[Column],
+    ) -> Result<Vec<String>, CoordinatorError> {
+        let statements: Vec<String> = columns
+            .iter()
+            .map(|c| {
+                format!(
+                    "ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}",
+                    table.quoted(),
+                    tidemark_common::pg::quote_ident(&c.name),
+                    c.sql_type
+                )
+            })
+            .collect();
+        let target = source::connect_database(&config.name, "target", &config.target).await?;
+        let failed = |e: sqlx::Error| CoordinatorError::task_setup(&config.name, format!("target table {table}: {e}"));
+        let mut tx = target.begin().await.map_err(failed)?;
+        for statement in &statements {
+            sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+                .execute(&mut *tx)
+                .await
+                .map_err(failed)?;
+        }
+        tx.commit().await.map_err(failed)?;
+        target.close().await;
+        Ok(statements)
     }
 
     async fn dead_letter_counts(&self, target: &TargetPool, task: &str) -> Result<BTreeMap<String, u64>, sqlx::Error> {
