@@ -109,6 +109,23 @@ impl Engine {
         }
     }
 
+    /// A column added without a value for the rows already there.
+    fn add_color(self) -> &'static str {
+        match self {
+            Engine::Postgres => "ALTER TABLE items ADD COLUMN color text",
+            Engine::MariaDb => "ALTER TABLE items ADD COLUMN color VARCHAR(40)",
+        }
+    }
+
+    fn set_color(self, condition: &str) -> String {
+        match self {
+            Engine::Postgres => {
+                format!("UPDATE items SET color = 'c' || id, updated_at = clock_timestamp() WHERE {condition}")
+            }
+            Engine::MariaDb => format!("UPDATE items SET color = CONCAT('c', id) WHERE {condition}"),
+        }
+    }
+
     /// An update the target refuses once it forbids negative quantities.
     fn poison(self, condition: &str) -> String {
         match self {
@@ -326,6 +343,34 @@ impl Pair {
         }
     }
 
+    /// The `color` of every row that has one, on the source or the target.
+    async fn colors(&self, of_source: bool) -> BTreeMap<i64, String> {
+        let sql = "SELECT id, color FROM items WHERE color IS NOT NULL";
+        let side = if of_source { &self.source } else { &self.target };
+        let pool = if of_source {
+            &self.cluster.source.pool
+        } else {
+            &self.cluster.target.pool
+        };
+        match side {
+            Side::Postgres { .. } => sqlx::query_as(sql).fetch_all(pool).await.unwrap().into_iter().collect(),
+            Side::MariaDb { db, .. } => sqlx::query_as(sql)
+                .fetch_all(&db.pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect(),
+        }
+    }
+
+    /// A MariaDB target's writer may ALTER (what `schema_changes = "evolve"` needs there).
+    async fn grant_target_alter(&self) {
+        if let Side::MariaDb { db, _user, .. } = &self.target {
+            db.exec(&format!("GRANT ALTER ON `{}`.* TO '{}'@'%'", db.name, _user.name))
+                .await;
+        }
+    }
+
     async fn source_now(&self) -> i64 {
         let sql = self.source_engine.clock();
         match &self.source {
@@ -532,6 +577,71 @@ async fn poison_rows_are_dead_letters_and_the_rest_converges(tag: &str, source: 
     assert_eq!(keys, poison, "{listed}");
 }
 
+/// The evolve suite every pair runs (`schema_changes = "evolve"`): the source gains a column
+/// without a value for the rows already there, and rows get values in it and other changes,
+/// while the coordinator's check is held back (a test gate) until the shards have read them
+/// all without it. Then the epoch evolves: the target gains the column, the shards read
+/// again, and every key converges, the column's values included.
+async fn an_added_column_evolves_the_epoch(tag: &str, source: Engine, target: Engine) {
+    let mut pair = Pair::new(tag, source, target).await;
+    pair.grant_target_alter().await;
+    pair.source_exec(&source.insert(1, 2000)).await;
+    let dir = tidemark_tests::TempDir::new("evolve-gate");
+    let gate = dir.0.join("gate");
+    let base = pair.settings();
+    let settings = TaskSettings {
+        extra: format!("{}\nschema_changes = \"evolve\"", base.extra),
+        coordinator_env: vec![("TIDEMARK_TEST_SCHEMA_WATCH_GATE", gate.display().to_string())],
+        ..base
+    };
+    pair.cluster.start(&settings).await;
+    pair.cluster.spawn_worker("a", 4, &[]);
+    pair.cluster
+        .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
+        .await;
+    let start = pair.source_now().await;
+    pair.cluster.wait_for_watermark(start, Duration::from_secs(120)).await;
+    // The check has confirmed the columns by now (it runs every 500 ms); then it waits.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    std::fs::write(&gate, b"").unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    pair.source_exec(source.add_color()).await;
+    pair.source_exec(&source.set_color("id % 7 = 0")).await;
+    pair.source_exec(&source.update("id % 5 = 0")).await;
+    let changed = pair.source_now().await;
+    // Past the changed rows by more than the overlap (1 s): an ordinary cycle would not read
+    // them again.
+    pair.cluster
+        .wait_for_watermark(changed + 3_000_000, Duration::from_secs(120))
+        .await;
+    std::fs::remove_file(&gate).unwrap();
+    pair.source_exec(&source.set_color("id % 11 = 0")).await;
+    let end = pair.source_now().await;
+    let status = pair
+        .cluster
+        .wait_for("the watermark past the evolution", Duration::from_secs(120), |t| {
+            t.phase == "paused" || t.watermark_micros.is_some_and(|w| w > end)
+        })
+        .await;
+    assert_ne!(
+        status.phase, "paused",
+        "({source:?} → {target:?}) {}",
+        status.paused_reason
+    );
+    assert_eq!(status.epoch, 1, "evolved in place");
+    pair.assert_converged("after the column was added").await;
+    let expected = pair.colors(true).await;
+    assert_eq!(
+        expected.len(),
+        (1..=2000).filter(|id| id % 7 == 0 || id % 11 == 0).count()
+    );
+    assert_eq!(
+        pair.colors(false).await,
+        expected,
+        "({source:?} → {target:?}) the added column per key"
+    );
+}
+
 /// Every suite for every pair of engines: one line per engine here. The tests are named
 /// `<source>::<target>::<suite>`.
 macro_rules! pair_suites {
@@ -569,6 +679,11 @@ macro_rules! pair_suites {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn accumulate() {
                     accumulate_counts_each_event_once(&tag("acc"), $source_value, $target_value).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn evolve() {
+                    an_added_column_evolves_the_epoch(&tag("evolve"), $source_value, $target_value).await;
                 }
 
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
