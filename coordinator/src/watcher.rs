@@ -503,9 +503,20 @@ async fn evolve(
     };
     let target = TableName::parse(&config.target_table).map_err(CoordinatorError::InvalidRequest)?;
     let added_columns: Vec<_> = added.iter().map(|c| c.column.clone()).collect();
-    let statements = crate::engines::target_side(config)?
+    let statements = match crate::engines::target_side(config)?
         .add_columns(config, &target, &added_columns)
-        .await?;
+        .await
+    {
+        Ok(statements) => statements,
+        // A missing grant: pause with what to fix; after a resume the next round evolves.
+        Err(error) => {
+            return Ok(Err(format!(
+                "schema changed: column(s) {} of {table} could not be added to the target table {target}: {error}; fix \
+                 that (a MySQL/MariaDB target's account needs ALTER), then `tidemark-coordinator tasks resume {name}`",
+                names.join(", ")
+            )));
+        }
+    };
     let all: Vec<_> = columns.iter().map(|c| c.column.clone()).collect();
     if !control
         .evolve_epoch(

@@ -200,7 +200,7 @@ async fn an_added_column_evolves_the_live_epoch_and_converges_per_key() {
     // Past the changed rows by more than the overlap: an ordinary cycle would not read them
     // again.
     cluster
-        .wait_for_watermark(changed + 3_000_000, Duration::from_secs(60))
+        .wait_for_watermark(changed + 4_000_000, Duration::from_secs(60))
         .await;
     let colored = |db: &TestDb| {
         let pool = db.pool.clone();
