@@ -922,3 +922,78 @@ async fn mariadb_appends_into_mariadb_and_postgres_accumulates_into_mariadb() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
+
+/// `schema_changes = "evolve"` into a MariaDB target whose writer lacks ALTER: the column the
+/// source gained cannot be added there, so the task pauses and says what to grant (nothing
+/// silent, no re-snapshot needed); after the grant, `tasks resume` evolves the epoch and the
+/// column's values arrive per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evolve_the_target_account_cannot_alter_pauses_until_granted() {
+    let (target, writer) = writer_target("ev_dst").await;
+    let mut cluster = Cluster::new("ev_grant").await;
+    cluster
+        .source
+        .exec(
+            "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, updated_at timestamptz NOT NULL \
+             DEFAULT clock_timestamp()); INSERT INTO items (id, name) SELECT i, 'item ' || i FROM generate_series(1, 1000) i",
+        )
+        .await;
+    cluster
+        .start(&TaskSettings {
+            target_url: target.url_as(&writer.name, &writer.password),
+            target_table: "items".into(),
+            extra: "schema_changes = \"evolve\"".into(),
+            shards: 2,
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 2, &[]);
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    cluster
+        .source
+        .exec(
+            "ALTER TABLE items ADD COLUMN color text; \
+             UPDATE items SET color = 'c' || id, updated_at = clock_timestamp() WHERE id % 9 = 0",
+        )
+        .await;
+    let paused = cluster
+        .wait_for("the pause", Duration::from_secs(60), |t| t.phase == "paused")
+        .await;
+    assert!(
+        paused
+            .paused_reason
+            .contains("column(s) color of public.items could not be added to the target table")
+            && paused.paused_reason.contains("needs ALTER")
+            && paused.paused_reason.contains("tasks resume items")
+            && !paused.paused_reason.contains("reinitialization required"),
+        "{}",
+        paused.paused_reason
+    );
+    target
+        .exec(&format!("GRANT ALTER ON `{}`.* TO '{}'@'%'", target.name, writer.name))
+        .await;
+    let (ok, _, stderr) = cluster.cli(&["tasks", "resume", "items", "--coordinator", &cluster.address]);
+    assert!(ok, "resume: {stderr}");
+    let end = cluster.source_now_micros().await;
+    let status = cluster
+        .wait_for("the watermark past the evolution", Duration::from_secs(90), |t| {
+            t.phase == "paused" || t.watermark_micros.is_some_and(|w| w > end)
+        })
+        .await;
+    assert_ne!(status.phase, "paused", "{}", status.paused_reason);
+    let expected: BTreeMap<i64, String> = sqlx::query_as("SELECT id, color FROM items WHERE color IS NOT NULL")
+        .fetch_all(&cluster.source.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(expected.len(), 111);
+    let actual: BTreeMap<i64, String> = sqlx::query_as("SELECT id, color FROM items WHERE color IS NOT NULL")
+        .fetch_all(&target.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(actual, expected, "the added column per key after the grant");
+}
