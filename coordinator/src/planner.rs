@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use tidemark_common::config::{
-    DeletePolicy, TRIGGER_VERSION_COLUMN, TargetDeletes, TaskConfig, TaskMode, VersionConfig,
+    DeletePolicy, SchemaChanges, TRIGGER_VERSION_COLUMN, TargetDeletes, TaskConfig, TaskMode, VersionConfig,
 };
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, format_micros, plan_ranges};
@@ -317,8 +317,13 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
     let now = schema_id(&source.columns, &required_columns(config), &epoch.schema_id);
     if epoch.schema_id != now {
         let reason = schema_changed_reason(&source.table, epoch.epoch, &now, &epoch.schema_id);
-        tracing::error!(task, %reason, "pausing task");
-        control.pause_task(task, &reason).await?;
+        if config.schema_changes == SchemaChanges::Evolve {
+            // The watcher's first round evolves the epoch, or pauses with why it cannot.
+            tracing::warn!(task, %reason, "source columns changed; schema_changes = \"evolve\" decides");
+        } else {
+            tracing::error!(task, %reason, "pausing task");
+            control.pause_task(task, &reason).await?;
+        }
     }
     if let (Some(configured), Some(frozen)) = (&config.cursor_time_zone, &epoch.cursor_zone)
         && configured != frozen

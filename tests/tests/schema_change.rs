@@ -291,3 +291,58 @@ async fn a_column_added_with_a_default_pauses_by_name_under_evolve() {
     .unwrap();
     assert!(!has_flag, "the target was not changed");
 }
+
+/// A leader that never confirmed a watermark under the epoch (here: the first coordinator's
+/// check is off while the column is added and the rows are read without it; then a
+/// restarted coordinator with its check on leads) cannot know where the change began: it
+/// evolves the epoch and reads again from the epoch's incremental start, and every key
+/// converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_evolves_from_the_epochs_incremental_start() {
+    let mut cluster = Cluster::new("evolve_leader").await;
+    create_items(&cluster.source, KeyKind::Bigint, 2_000).await;
+    let settings = TaskSettings {
+        shards: 2,
+        extra: "schema_changes = \"evolve\"".into(),
+        coordinator_env: vec![("TIDEMARK_TEST_NO_SCHEMA_WATCH", "1".into())],
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    cluster.spawn_worker("a", 2, &[]);
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    cluster
+        .source
+        .exec(
+            "ALTER TABLE items ADD COLUMN color text; \
+             UPDATE items SET color = 'c' || id, updated_at = clock_timestamp() WHERE id % 7 = 0",
+        )
+        .await;
+    let changed = cluster.source_now_micros().await;
+    cluster
+        .wait_for_watermark(changed + 4_000_000, Duration::from_secs(60))
+        .await;
+    let config = cluster.config_path.clone();
+    cluster.launch_coordinator(&config, &[]).await;
+    let end = cluster.source_now_micros().await;
+    let status = cluster
+        .wait_for("the watermark past the evolution", Duration::from_secs(90), |t| {
+            t.phase == "paused" || t.watermark_micros.is_some_and(|w| w > end)
+        })
+        .await;
+    assert_ne!(status.phase, "paused", "{}", status.paused_reason);
+    assert_eq!(status.epoch, 1);
+    let mut columns = ITEM_COLUMNS.to_vec();
+    columns.push("color");
+    compare(
+        &cluster.source.pool,
+        &cluster.target.pool,
+        &["id"],
+        &columns,
+        "updated_at",
+    )
+    .await
+    .assert_clean("after a new leader evolved the epoch");
+    let log = cluster.coordinator.as_ref().unwrap().log_text();
+    assert!(log.contains("reading again from the epoch's start"), "{log}");
+}
