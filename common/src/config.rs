@@ -739,6 +739,32 @@ cursor_column = "updated_at"
     }
 
     #[test]
+    fn schema_changes_evolve_only_in_upsert_mode() {
+        let with = |lines: &str| {
+            let text = MINIMAL.replace("cursor_column = \"updated_at\"\n", &format!("{lines}\n"));
+            Config::parse(&text, "t.toml", env)
+        };
+        let config = Config::parse(MINIMAL, "t.toml", env).unwrap();
+        assert_eq!(config.tasks[0].schema_changes, SchemaChanges::Pause);
+        let config = with("cursor_column = \"updated_at\"\nschema_changes = \"evolve\"").unwrap();
+        assert_eq!(config.tasks[0].schema_changes, SchemaChanges::Evolve);
+        let error = with("mode = \"append\"\nschema_changes = \"evolve\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("schema_changes = \"evolve\" needs mode = \"upsert\""),
+            "{error}"
+        );
+        let error = with("cursor_column = \"updated_at\"\nschema_changes = \"adapt\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("unknown variant `adapt`, expected `pause` or `evolve`"),
+            "{error}"
+        );
+    }
+
+    #[test]
     fn mysql_sources_resolve_their_database_and_refuse_what_they_lack() {
         let mysql = |source: &str, table: &str, extra: &str| {
             let text = MINIMAL
