@@ -155,6 +155,26 @@ async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
     assert_eq!(qty_type, "bigint");
 }
 
+/// A cluster syncing `rows` items with `schema_changes = "evolve"` (two shards, a worker per
+/// name), its watermark past the snapshot.
+async fn evolving(tag: &str, rows: i64, coordinator_env: Vec<(&'static str, String)>, workers: &[&str]) -> Cluster {
+    let mut cluster = Cluster::new(tag).await;
+    create_items(&cluster.source, KeyKind::Bigint, rows).await;
+    let settings = TaskSettings {
+        shards: 2,
+        extra: "schema_changes = \"evolve\"".into(),
+        coordinator_env,
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    for name in workers {
+        cluster.spawn_worker(name, 2, &[]);
+    }
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    cluster
+}
+
 /// `schema_changes = "evolve"`: a column added without a value for the existing rows joins the
 /// live epoch and the target without a re-snapshot. The column is added in the transaction
 /// that fills it for some rows, and more rows get it after; the coordinator's check is held
@@ -164,21 +184,10 @@ async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
 /// values, every other column, the version. The epoch stays 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_added_column_evolves_the_live_epoch_and_converges_per_key() {
-    let mut cluster = Cluster::new("evolve").await;
-    create_items(&cluster.source, KeyKind::Bigint, 3_000).await;
     let dir = tidemark_tests::TempDir::new("evolve-gate");
     let gate = dir.0.join("gate");
-    let settings = TaskSettings {
-        shards: 2,
-        extra: "schema_changes = \"evolve\"".into(),
-        coordinator_env: vec![("TIDEMARK_TEST_SCHEMA_WATCH_GATE", gate.display().to_string())],
-        ..TaskSettings::default()
-    };
-    cluster.start(&settings).await;
-    cluster.spawn_worker("a", 2, &[]);
-    cluster.spawn_worker("b", 2, &[]);
-    let now = cluster.source_now_micros().await;
-    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    let env = vec![("TIDEMARK_TEST_SCHEMA_WATCH_GATE", gate.display().to_string())];
+    let cluster = evolving("evolve", 3_000, env, &["a", "b"]).await;
     // The check has confirmed the columns at least once by now (it runs every 500 ms).
     tokio::time::sleep(Duration::from_secs(1)).await;
     std::fs::write(&gate, b"").unwrap();
@@ -255,17 +264,7 @@ async fn an_added_column_evolves_the_live_epoch_and_converges_per_key() {
 /// the target.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_column_added_with_a_default_pauses_by_name_under_evolve() {
-    let mut cluster = Cluster::new("evolve_default").await;
-    create_items(&cluster.source, KeyKind::Bigint, 1_000).await;
-    let settings = TaskSettings {
-        shards: 2,
-        extra: "schema_changes = \"evolve\"".into(),
-        ..TaskSettings::default()
-    };
-    cluster.start(&settings).await;
-    cluster.spawn_worker("a", 2, &[]);
-    let now = cluster.source_now_micros().await;
-    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    let cluster = evolving("evolve_default", 1_000, Vec::new(), &["a"]).await;
     cluster
         .source
         .exec("ALTER TABLE items ADD COLUMN flag integer DEFAULT 7")
@@ -299,18 +298,8 @@ async fn a_column_added_with_a_default_pauses_by_name_under_evolve() {
 /// converges.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_leader_evolves_from_the_epochs_incremental_start() {
-    let mut cluster = Cluster::new("evolve_leader").await;
-    create_items(&cluster.source, KeyKind::Bigint, 2_000).await;
-    let settings = TaskSettings {
-        shards: 2,
-        extra: "schema_changes = \"evolve\"".into(),
-        coordinator_env: vec![("TIDEMARK_TEST_NO_SCHEMA_WATCH", "1".into())],
-        ..TaskSettings::default()
-    };
-    cluster.start(&settings).await;
-    cluster.spawn_worker("a", 2, &[]);
-    let now = cluster.source_now_micros().await;
-    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    let env = vec![("TIDEMARK_TEST_NO_SCHEMA_WATCH", "1".into())];
+    let mut cluster = evolving("evolve_leader", 2_000, env, &["a"]).await;
     cluster
         .source
         .exec(
