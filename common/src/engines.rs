@@ -11,6 +11,9 @@ use std::time::Duration;
 use crate::source::SourcePool;
 use crate::target::TargetPool;
 
+/// Opens a lazily connecting pool: `(url, application_name, max_connections, guard)`.
+pub type Connect<Pool> = fn(&str, &str, u32, Duration) -> Result<Pool, String>;
+
 /// A database engine: its names, URL schemes, capabilities and how to reach it.
 #[derive(Debug)]
 pub struct Engine {
@@ -34,9 +37,10 @@ pub struct Engine {
     /// `None` for another engine's error or one not about a row.
     pub row_error_class: fn(&dyn sqlx::error::DatabaseError) -> Option<String>,
     /// A lazily connecting source pool: `(url, application_name, max_connections, guard)`.
-    pub source: fn(&str, &str, u32, Duration) -> Result<SourcePool, String>,
-    /// A lazily connecting target pool, with the same arguments.
-    pub target: fn(&str, &str, u32, Duration) -> Result<TargetPool, String>,
+    pub source: Connect<SourcePool>,
+    /// A lazily connecting target pool, with the same arguments; `None` for an engine that
+    /// is only a source.
+    pub target: Option<Connect<TargetPool>>,
 }
 
 impl PartialEq for Engine {

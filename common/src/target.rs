@@ -46,7 +46,11 @@ impl TargetPool {
         max_connections: u32,
         guard: std::time::Duration,
     ) -> Result<TargetPool, String> {
-        (crate::engines::of_url(url)?.target)(url, application_name, max_connections, guard)
+        let engine = crate::engines::of_url(url)?;
+        let connect = engine
+            .target
+            .ok_or_else(|| format!("{} is a source only: it cannot be a target", engine.name))?;
+        connect(url, application_name, max_connections, guard)
     }
 
     /// The engine's own target type, for that engine's code.

@@ -145,44 +145,61 @@ pub(crate) trait TargetSide: Sync {
     ) -> Result<u64, CoordinatorError>;
 }
 
-/// The coordinator's engines, one line each: `(engine id, source side, target side)`.
-static SIDES: &[(&str, &dyn SourceSide, &dyn TargetSide)] = &[
-    ("postgres", &crate::postgres::Postgres, &crate::postgres::Postgres),
-    ("mysql", &crate::mysql::MySql, &crate::mysql::MySql),
+/// The coordinator's side of an engine; `target: None` for one that is only a source.
+struct Sides {
+    id: &'static str,
+    source: &'static dyn SourceSide,
+    target: Option<&'static dyn TargetSide>,
+}
+
+/// The coordinator's engines, one line each.
+static SIDES: &[Sides] = &[
+    Sides {
+        id: "postgres",
+        source: &crate::postgres::Postgres,
+        target: Some(&crate::postgres::Postgres),
+    },
+    Sides {
+        id: "mysql",
+        source: &crate::mysql::MySql,
+        target: Some(&crate::mysql::MySql),
+    },
 ];
 
-fn sides_of(engine: &Engine) -> Result<(&'static dyn SourceSide, &'static dyn TargetSide), String> {
+fn sides_of(engine: &Engine) -> Result<&'static Sides, String> {
     SIDES
         .iter()
-        .find(|(id, _, _)| *id == engine.id)
-        .map(|(_, source, target)| (*source, *target))
+        .find(|sides| sides.id == engine.id)
         .ok_or_else(|| format!("the coordinator has no {} support", engine.name))
 }
 
-fn sides(
-    task: &str,
-    role: &str,
-    url: &str,
-) -> Result<(&'static dyn SourceSide, &'static dyn TargetSide), CoordinatorError> {
+fn sides(task: &str, role: &str, url: &str) -> Result<(&'static Sides, &'static Engine), CoordinatorError> {
     let setup = |e: String| CoordinatorError::task_setup(task, format!("{role}: {e}"));
-    sides_of(tidemark_common::engines::of_url(url).map_err(setup)?).map_err(setup)
+    let engine = tidemark_common::engines::of_url(url).map_err(setup)?;
+    Ok((sides_of(engine).map_err(setup)?, engine))
 }
 
 /// The coordinator's side of a source pool's engine.
 pub(crate) fn side_of_source(task: &str, source: &SourcePool) -> Result<&'static dyn SourceSide, CoordinatorError> {
     Ok(sides_of(source.engine())
         .map_err(|e| CoordinatorError::task_setup(task, format!("source: {e}")))?
-        .0)
+        .source)
 }
 
 /// The coordinator's side of the task's source engine.
 pub(crate) fn source_side(config: &TaskConfig) -> Result<&'static dyn SourceSide, CoordinatorError> {
-    Ok(sides(&config.name, "source", &config.source)?.0)
+    Ok(sides(&config.name, "source", &config.source)?.0.source)
 }
 
 /// The coordinator's side of the task's target engine.
 pub(crate) fn target_side(config: &TaskConfig) -> Result<&'static dyn TargetSide, CoordinatorError> {
-    Ok(sides(&config.name, "target", &config.target)?.1)
+    let (sides, engine) = sides(&config.name, "target", &config.target)?;
+    sides.target.ok_or_else(|| {
+        CoordinatorError::task_setup(
+            &config.name,
+            format!("target: {} is a source only: it cannot be a target", engine.name),
+        )
+    })
 }
 
 /// The error of a pool handed to another engine's code (a bug, never the user's).

@@ -31,9 +31,9 @@ pub static ENGINE: Engine = Engine {
     },
     // A source session reads only: it holds no lock a guard would have to end.
     source: |url, _application_name, max_connections, _guard| Ok(source_pool(super::pool(url, max_connections)?)),
-    target: |url, _application_name, max_connections, guard| {
+    target: Some(|url, _application_name, max_connections, guard| {
         Ok(target_pool(super::target_pool(url, max_connections, guard.as_secs())?))
-    },
+    }),
 };
 
 /// A MySQL/MariaDB source.

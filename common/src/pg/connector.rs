@@ -41,14 +41,14 @@ pub static ENGINE: Engine = Engine {
             guard,
         )?))
     },
-    target: |url, application_name, max_connections, guard| {
+    target: Some(|url, application_name, max_connections, guard| {
         Ok(target_pool(super::guarded_pool(
             url,
             application_name,
             max_connections,
             guard,
         )?))
-    },
+    }),
 };
 
 /// A PostgreSQL source.
