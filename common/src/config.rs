@@ -529,32 +529,10 @@ impl Config {
                     task.max_dead_letter_ratio
                 )));
             }
+            // Across engines, content is compared where every column's type has a portable
+            // hash: the coordinator checks the table's columns at start.
             crate::engines::of_url(&task.source).map_err(|e| invalid(format!("task {name}: source: {e}")))?;
-            let target =
-                crate::engines::of_url(&task.target).map_err(|e| invalid(format!("task {name}: target: {e}")))?;
-            if !target.hashes_content {
-                let reconciles =
-                    task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
-                if reconciles && task.reconcile_compare == ReconcileCompare::Content {
-                    return Err(invalid(format!(
-                        "task {name}: a {} target reconciles versions only (no hash of every column's content \
-                         that both engines compute alike yet): set reconcile_compare = \"versions\"",
-                        target.name
-                    )));
-                }
-            }
-            let source = crate::engines::of_url(&task.source).expect("checked above");
-            if !source.hashes_content {
-                let reconciles =
-                    task.reconcile_every.is_some() || matches!(task.delete_policy, Some(DeletePolicy::Reconcile {}));
-                if reconciles && task.reconcile_compare == ReconcileCompare::Content {
-                    return Err(invalid(format!(
-                        "task {name}: a {} source reconciles versions only (no hash of every column's content \
-                         that both engines compute alike yet): set reconcile_compare = \"versions\"",
-                        source.name
-                    )));
-                }
-            }
+            crate::engines::of_url(&task.target).map_err(|e| invalid(format!("task {name}: target: {e}")))?;
             if task.page_size == 0 {
                 return Err(invalid(format!("task {name}: page_size must be at least 1")));
             }
@@ -798,10 +776,12 @@ cursor_column = "updated_at"
         ));
         let config = mysql("mysql://reader@127.0.0.1:3306/shop", "items", "version = \"trigger\"").unwrap();
         assert_eq!(config.tasks[0].version, VersionConfig::Trigger);
-        let error = mysql("mysql://r@h/shop", "items", "delete_policy = { kind = \"reconcile\" }")
-            .unwrap_err()
-            .to_string();
-        assert!(error.contains("reconcile_compare = \"versions\""), "{error}");
+        // A configured reconciliation keeps comparing content; the coordinator checks at
+        // start that every column has a portable hash.
+        let config = mysql("mysql://r@h/shop", "items", "delete_policy = { kind = \"reconcile\" }").unwrap();
+        assert_eq!(config.tasks[0].reconcile_compare, ReconcileCompare::Content);
+        let config = mysql("mysql://r@h/shop", "items", "").unwrap();
+        assert_eq!(config.tasks[0].reconcile_compare, ReconcileCompare::Versions);
         let config = mysql(
             "mysql://r@h/shop",
             "items",

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use tidemark_common::config::{
-    DeletePolicy, SchemaChanges, TRIGGER_VERSION_COLUMN, TargetDeletes, TaskConfig, TaskMode, VersionConfig,
+    DeletePolicy, ReconcileCompare, SchemaChanges, TRIGGER_VERSION_COLUMN, TargetDeletes, TaskConfig, TaskMode,
+    VersionConfig,
 };
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::{Cursor, KeyDomain, KeyValue, format_micros, plan_ranges};
@@ -332,6 +333,10 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
             "cursor_time_zone differs from the zone the epoch froze; `tasks reinit` applies it");
     }
     let frozen_columns = epoch_columns(task, &epoch)?;
+    if config.reconcile_compare == ReconcileCompare::Content && !tidemark_common::config::hash_content(config) {
+        portable_content_columns(&frozen_columns)
+            .map_err(|e| setup(format!("reconcile_compare = \"content\": {e}")))?;
+    }
     let sql = TableSql {
         source: source.table,
         target: target_table.clone(),
@@ -388,6 +393,13 @@ pub fn table_sql(task: &PreparedTask) -> Result<TableSql, CoordinatorError> {
 /// A pool on the task's target that connects on first use (status counts, dead letters).
 pub fn lazy_target_pool(config: &TaskConfig) -> Result<TargetPool, CoordinatorError> {
     engines::target_side(config)?.lazy_pool(config)
+}
+
+/// Whether a content comparison across engines covers every one of `columns` (see
+/// `tidemark_common::reconcile_reads::PortableKind`); the error names the first it does not.
+pub(crate) fn portable_content_columns(columns: &[Column]) -> Result<(), String> {
+    tidemark_common::reconcile_reads::portable_kinds(columns.iter().map(|c| (c.name.as_str(), c.sql_type.as_str())))
+        .map(|_| ())
 }
 
 /// Columns as an epoch stores them (see `checkpoints::stored_columns`).

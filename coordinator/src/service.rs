@@ -691,11 +691,15 @@ impl AdminService for CoordinatorService {
         };
         let config = &self.task(&request.task)?.config;
         if compare == ReconcileCompare::Content && !tidemark_common::config::hash_content(config) {
-            return Err(CoordinatorError::InvalidRequest(format!(
-                "task {}: a MySQL/MariaDB source or target reconciles versions only: use --compare versions",
-                request.task
-            ))
-            .into());
+            let epoch = self
+                .inner
+                .control
+                .current_epoch(&request.task)
+                .await?
+                .ok_or_else(|| CoordinatorError::UnknownTask(request.task.clone()))?;
+            crate::planner::portable_content_columns(&epoch_columns(&request.task, &epoch)?).map_err(|e| {
+                CoordinatorError::InvalidRequest(format!("task {}: content comparison: {e}", request.task))
+            })?;
         }
         let run_id = self
             .inner

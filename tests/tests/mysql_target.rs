@@ -14,7 +14,7 @@ use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::mysql::target as mysql_target;
 use tidemark_common::pg::{Column, Read, TableName, TableSql};
 use tidemark_tests::mariadb::{ITEMS_TABLE, MariaDb, items_insert, reader_source, writer_target};
-use tidemark_tests::{Cluster, TaskSettings};
+use tidemark_tests::{Cluster, KeyKind, TaskSettings, create_items};
 
 async fn mariadb_now(db: &MariaDb) -> i64 {
     sqlx::query_scalar("SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) AS SIGNED)")
@@ -534,11 +534,14 @@ async fn the_versioned_upsert_holds_under_concurrent_writers_on_mariadb() {
     }
 }
 
-/// A MySQL target refuses what it does not offer yet, by name, before anything runs.
+/// A content reconciliation into a MySQL target covers the column types both engines hash
+/// alike; a task that configures one over a column of another type (here jsonb) is refused
+/// at start, naming the column, before anything runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mariadb_target_refuses_content_reconciliation_by_name() {
     let (target, writer) = writer_target("mt_refuse").await;
     let mut cluster = Cluster::new("mt_refuse").await;
+    create_items(&cluster.source, KeyKind::Bigint, 10).await;
     let log = cluster.refused_start(&TaskSettings {
         target_url: target.url_as(&writer.name, &writer.password),
         target_table: "items".into(),
@@ -546,7 +549,7 @@ async fn a_mariadb_target_refuses_content_reconciliation_by_name() {
         ..TaskSettings::default()
     });
     assert!(
-        log.contains("a MySQL/MariaDB target reconciles versions only")
+        log.contains("reconcile_compare = \"content\": column \"payload\" (jsonb) has no content hash both engines")
             && log.contains("reconcile_compare = \"versions\""),
         "{log}"
     );

@@ -95,13 +95,10 @@ impl ShardRun {
         since_micros: Option<i64>,
         content: bool,
     ) -> Result<Outcome, WorkerError> {
+        // Across engines every column is hashed in its portable form; a column none covers
+        // fails the run (the coordinator refuses such runs first): never compare less than
+        // was asked.
         let portable = self.portable()?;
-        if content && portable {
-            // The coordinator refuses such runs; never compare less than was asked.
-            return Err(WorkerError::Assignment(
-                "a MySQL/MariaDB source or target reconciles versions only (reconcile_compare = \"versions\")".into(),
-            ));
-        }
         let mut outcome = Outcome::default();
         let mut repairs: Vec<Repair> = Vec::new();
         // (range, counts per side when already known from the parent's buckets)

@@ -326,7 +326,9 @@ impl SideReads for MySqlSide<'_> {
 
     async fn bucket_sums(&self, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<BucketSums, ReadError> {
         let statement = match &self.statements {
-            Statements::Source(statements) => statements.checksum_buckets(self.sql, scope, thresholds),
+            Statements::Source(statements) => statements
+                .checksum_buckets(self.sql, scope, thresholds)
+                .map_err(ReadError::Unsupported)?,
             Statements::Target(statements) => statements
                 .checksum_buckets(scope, thresholds)
                 .map_err(ReadError::Unsupported)?,
@@ -359,7 +361,9 @@ impl SideReads for MySqlSide<'_> {
 
     async fn key_versions(&self, scope: &Scope<'_>) -> Result<KeyVersions, ReadError> {
         let statement = match &self.statements {
-            Statements::Source(statements) => statements.key_versions(self.sql, scope),
+            Statements::Source(statements) => statements
+                .key_versions(self.sql, scope)
+                .map_err(ReadError::Unsupported)?,
             Statements::Target(statements) => statements.key_versions(scope).map_err(ReadError::Unsupported)?,
         };
         let rows: Vec<(String, i64, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(statement))

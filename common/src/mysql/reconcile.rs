@@ -1,10 +1,10 @@
 //! Reconciliation against a MySQL/MariaDB source: the statements of `pg::reconcile` with a
 //! hash both engines compute the same way. Per row, the first 60 bits of
-//! `MD5(key CHAR(31) version)` (the key and version as decimal text); per bucket the count and
-//! the exact sum of those hashes. PostgreSQL computes the same on the target side
-//! ([`crate::pg::reconcile::Scope::portable`]). Versions only (rendering every column's
-//! content identically on both engines is not done), on a single integer key (buckets split
-//! at integer thresholds compare the same on both engines; text collations do not).
+//! `MD5(key CHAR(31) version)` (the key and version as decimal text), and with content every
+//! column's canonical text after them (see [`crate::reconcile_reads::PortableKind`]); per
+//! bucket the count and the exact sum of those hashes. PostgreSQL computes the same on its
+//! side ([`crate::pg::reconcile::Scope::portable`]). On a single integer key (buckets split at
+//! integer thresholds compare the same on both engines; text collations do not).
 
 use super::statements::MySqlStatements;
 use super::{quote_ident, quote_literal};
@@ -12,6 +12,60 @@ use crate::cursor::KeyValue;
 use crate::pg::TableSql;
 use crate::pg::deletes::DeleteSource;
 use crate::pg::reconcile::Scope;
+use crate::reconcile_reads::{PortableKind, portable_kinds};
+
+/// The separator of the hashed parts, as PostgreSQL's `chr(31)`.
+const SEPARATOR: &str = "CHAR(31 USING utf8mb4)";
+
+/// Every task column of a MySQL/MariaDB table (a source's, or a target's mapped from the
+/// epoch's types) rendered for the content hash PostgreSQL computes alike; an error names a
+/// column none covers.
+fn portable_content(sql: &TableSql) -> Result<Vec<String>, String> {
+    let kinds = portable_kinds(sql.columns.iter().map(|c| (c.name.as_str(), c.sql_type.as_str())))?;
+    Ok(sql
+        .columns
+        .iter()
+        .zip(kinds)
+        .map(|(column, kind)| {
+            let c = quote_ident(&column.name);
+            let text = match kind {
+                PortableKind::Integer | PortableKind::Date => format!("CAST({c} AS CHAR)"),
+                PortableKind::Numeric => format!(
+                    "IF(LOCATE('.', CAST({c} AS CHAR)) > 0, TRIM(TRAILING '.' FROM TRIM(TRAILING '0' FROM \
+                     CAST({c} AS CHAR))), CAST({c} AS CHAR))"
+                ),
+                PortableKind::Text => format!("CONVERT({c} USING utf8mb4)"),
+                PortableKind::Boolean => format!("CASE {c} WHEN 0 THEN 'f' WHEN 1 THEN 't' ELSE CAST({c} AS CHAR) END"),
+                PortableKind::Micros => {
+                    format!("CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', {c}) AS CHAR)")
+                }
+                PortableKind::Bytes => format!("LOWER(HEX({c}))"),
+            };
+            format!("COALESCE(CONCAT('v', {text}), 'n')")
+        })
+        .collect())
+}
+
+/// The hashed parts of a row: key and version, then (with content) every column.
+fn hashed_parts(scope: &Scope<'_>, sql: &TableSql, key: &str, version: &str) -> Result<String, String> {
+    let mut parts = vec![format!("CAST({key} AS CHAR)"), format!("CAST({version} AS CHAR)")];
+    if scope.content {
+        parts.extend(portable_content(sql)?);
+    }
+    Ok(parts.join(", "))
+}
+
+/// A row's content hash, as PostgreSQL's side computes it (0 when versions only).
+fn content_hash(scope: &Scope<'_>, sql: &TableSql) -> Result<String, String> {
+    Ok(if scope.content {
+        format!(
+            "CAST(CONV(SUBSTRING(MD5(CONCAT_WS({SEPARATOR}, {})), 1, 15), 16, 10) AS SIGNED)",
+            portable_content(sql)?.join(", ")
+        )
+    } else {
+        "CAST(0 AS SIGNED)".to_string()
+    })
+}
 
 impl MySqlStatements {
     fn first_key(sql: &TableSql) -> String {
@@ -45,7 +99,12 @@ impl MySqlStatements {
 
     /// `bucket, count, sum of row hashes` per bucket of the first key split at `thresholds`
     /// (`INTERVAL` numbers buckets as PostgreSQL's `width_bucket` does).
-    pub fn checksum_buckets(&self, sql: &TableSql, scope: &Scope<'_>, thresholds: &[KeyValue]) -> String {
+    pub fn checksum_buckets(
+        &self,
+        sql: &TableSql,
+        scope: &Scope<'_>,
+        thresholds: &[KeyValue],
+    ) -> Result<String, String> {
         let key = Self::first_key(sql);
         let bucket = if thresholds.is_empty() {
             "0".to_string()
@@ -53,15 +112,13 @@ impl MySqlStatements {
             let values: Vec<&str> = thresholds.iter().map(|t| t.value.as_str()).collect();
             format!("INTERVAL({key}, {})", values.join(", "))
         };
-        format!(
-            "SELECT CAST({bucket} AS SIGNED) AS bucket, COUNT(*), CAST(COALESCE(SUM(CAST(CONV(SUBSTRING(MD5(CONCAT_WS({sep}, \
-             CAST({key} AS CHAR), CAST({version} AS CHAR))), 1, 15), 16, 10) AS UNSIGNED)), 0) AS CHAR) FROM {}{} \
-             GROUP BY 1 ORDER BY 1",
+        Ok(format!(
+            "SELECT CAST({bucket} AS SIGNED) AS bucket, COUNT(*), CAST(COALESCE(SUM(CAST(CONV(SUBSTRING(MD5(CONCAT_WS(\
+             {SEPARATOR}, {parts})), 1, 15), 16, 10) AS UNSIGNED)), 0) AS CHAR) FROM {}{} GROUP BY 1 ORDER BY 1",
             self.table(),
             self.reconcile_where(sql, scope),
-            sep = "CHAR(31 USING utf8mb4)",
-            version = self.version_expr(sql),
-        )
+            parts = hashed_parts(scope, sql, &key, &self.version_expr(sql))?,
+        ))
     }
 
     /// The smallest and largest first-key value of the scope, as text.
@@ -74,15 +131,16 @@ impl MySqlStatements {
         )
     }
 
-    /// Every `(key as text, version, 0)` of the scope.
-    pub fn key_versions(&self, sql: &TableSql, scope: &Scope<'_>) -> String {
-        format!(
-            "SELECT CAST({} AS CHAR), CAST({} AS SIGNED), CAST(0 AS SIGNED) FROM {}{}",
+    /// Every `(key as text, version, content hash)` of the scope.
+    pub fn key_versions(&self, sql: &TableSql, scope: &Scope<'_>) -> Result<String, String> {
+        Ok(format!(
+            "SELECT CAST({} AS CHAR), CAST({} AS SIGNED), {} FROM {}{}",
             Self::first_key(sql),
             self.version_expr(sql),
+            content_hash(scope, sql)?,
             self.table(),
             self.reconcile_where(sql, scope)
-        )
+        ))
     }
 
     /// The source rows with these keys, in the staged layout.
@@ -189,10 +247,9 @@ impl TargetStatements<'_> {
         };
         Ok(format!(
             "SELECT CAST({bucket} AS SIGNED) AS bucket, CAST(COUNT(*) AS SIGNED), \
-             CAST(COALESCE(SUM(CAST(CONV(SUBSTRING(MD5(CONCAT_WS(CHAR(31 USING utf8mb4), CAST({key} AS CHAR), \
-             CAST({version} AS CHAR))), 1, 15), 16, 10) AS UNSIGNED)), 0) AS CHAR) FROM {table}{filter} \
-             GROUP BY 1 ORDER BY 1",
-            version = self.version(),
+             CAST(COALESCE(SUM(CAST(CONV(SUBSTRING(MD5(CONCAT_WS({SEPARATOR}, {parts})), 1, 15), 16, 10) AS UNSIGNED)), \
+             0) AS CHAR) FROM {table}{filter} GROUP BY 1 ORDER BY 1",
+            parts = hashed_parts(scope, self.sql, &key, &self.version())?,
             table = self.table(),
             filter = self.where_clause(scope)?,
         ))
@@ -207,12 +264,13 @@ impl TargetStatements<'_> {
         ))
     }
 
-    /// Every `(key as text, version, 0)` of the scope.
+    /// Every `(key as text, version, content hash)` of the scope.
     pub fn key_versions(&self, scope: &Scope<'_>) -> Result<String, String> {
         Ok(format!(
-            "SELECT CAST({} AS CHAR), CAST({} AS SIGNED), CAST(0 AS SIGNED) FROM {}{}",
+            "SELECT CAST({} AS CHAR), CAST({} AS SIGNED), {} FROM {}{}",
             self.key(),
             self.version(),
+            content_hash(scope, self.sql)?,
             self.table(),
             self.where_clause(scope)?
         ))

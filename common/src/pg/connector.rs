@@ -302,7 +302,10 @@ impl SideReads for PgSide<'_> {
     }
 
     async fn bucket_sums(&self, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<BucketSums, ReadError> {
-        let statement = self.sql.checksum_buckets(self.side, scope, thresholds);
+        let statement = self
+            .sql
+            .checksum_buckets(self.side, scope, thresholds)
+            .map_err(ReadError::Unsupported)?;
         Ok(sqlx::query(sqlx::AssertSqlSafe(statement))
             .fetch_all(self.pool)
             .await?
@@ -328,18 +331,20 @@ impl SideReads for PgSide<'_> {
     }
 
     async fn key_versions(&self, scope: &Scope<'_>) -> Result<KeyVersions, ReadError> {
-        Ok(
-            sqlx::query(sqlx::AssertSqlSafe(self.sql.key_versions(self.side, scope)))
-                .fetch_all(self.pool)
-                .await?
-                .into_iter()
-                .map(|row| {
-                    (
-                        row.get::<Vec<String>, _>(0),
-                        (row.get::<i64, _>(1), row.get::<i64, _>(2)),
-                    )
-                })
-                .collect(),
-        )
+        Ok(sqlx::query(sqlx::AssertSqlSafe(
+            self.sql
+                .key_versions(self.side, scope)
+                .map_err(ReadError::Unsupported)?,
+        ))
+        .fetch_all(self.pool)
+        .await?
+        .into_iter()
+        .map(|row| {
+            (
+                row.get::<Vec<String>, _>(0),
+                (row.get::<i64, _>(1), row.get::<i64, _>(2)),
+            )
+        })
+        .collect())
     }
 }

@@ -3,6 +3,7 @@
 //! that only ranges that differ are split further and only small ranges are read row by row.
 
 use super::{DELETED_COLUMN, KeyValue, ShardRange, TableSql, VERSION_COLUMN, key_literal, quote_ident};
+use crate::reconcile_reads::{PortableKind, portable_kinds};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
@@ -71,13 +72,35 @@ impl TableSql {
         format!("ROW({})::text", columns.join(", "))
     }
 
+    /// Every task column rendered for the content hash both engines compute alike (see
+    /// [`crate::reconcile_reads::PortableKind`]); an error names a column none covers.
+    fn portable_content(&self) -> Result<Vec<String>, String> {
+        let kinds = portable_kinds(self.columns.iter().map(|c| (c.name.as_str(), c.sql_type.as_str())))?;
+        Ok(self
+            .columns
+            .iter()
+            .zip(kinds)
+            .map(|(column, kind)| {
+                let c = format!("{}::{}", quote_ident(&column.name), column.sql_type);
+                let text = match kind {
+                    PortableKind::Integer | PortableKind::Text | PortableKind::Date => format!("{c}::text"),
+                    PortableKind::Numeric => format!("trim_scale({c})::text"),
+                    PortableKind::Boolean => format!("CASE WHEN {c} THEN 't' ELSE 'f' END"),
+                    PortableKind::Micros => format!("(extract(epoch from {c}) * 1000000)::bigint::text"),
+                    PortableKind::Bytes => format!("encode({c}, 'hex')"),
+                };
+                format!("coalesce('v' || {text}, 'n')")
+            })
+            .collect())
+    }
+
     fn first_key(&self) -> String {
         quote_ident(&self.key_columns[0])
     }
 
     /// `SELECT bucket, count, hash` per bucket of the first key column split at `thresholds`
     /// (`width_bucket`: bucket i holds keys in `[thresholds[i-1], thresholds[i])`).
-    pub fn checksum_buckets(&self, side: Side, scope: &Scope<'_>, thresholds: &[KeyValue]) -> String {
+    pub fn checksum_buckets(&self, side: Side, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<String, String> {
         let bucket = if thresholds.is_empty() {
             "0".to_string()
         } else {
@@ -98,6 +121,9 @@ impl TableSql {
         if scope.content && !scope.portable {
             parts.push(self.row_text());
         }
+        if scope.content && scope.portable {
+            parts.extend(self.portable_content()?);
+        }
         let row_hash = if scope.portable {
             format!(
                 "('x' || substr(md5(concat_ws(chr(31), {})), 1, 15))::bit(60)::bigint",
@@ -106,12 +132,12 @@ impl TableSql {
         } else {
             format!("hashtextextended(concat_ws(chr(31), {}), 0)", parts.join(", "))
         };
-        format!(
+        Ok(format!(
             "SELECT {bucket} AS bucket, count(*), coalesce(sum(({row_hash})::numeric), 0)::text \
              FROM {}{} GROUP BY 1 ORDER BY 1",
             self.side_table(side),
             self.side_where(side, scope)
-        )
+        ))
     }
 
     /// The smallest and largest first-key value of the scope (text) on one side.
@@ -141,24 +167,27 @@ impl TableSql {
 
     /// Every `(key as text[], version, content hash)` of the scope on one side: a small
     /// range's rows (the hash is 0 when the scope compares versions only).
-    pub fn key_versions(&self, side: Side, scope: &Scope<'_>) -> String {
+    pub fn key_versions(&self, side: Side, scope: &Scope<'_>) -> Result<String, String> {
         let keys: Vec<String> = self
             .key_columns
             .iter()
             .map(|k| format!("{}::text", quote_ident(k)))
             .collect();
-        let content = if scope.content {
-            format!("hashtextextended({}, 0)", self.row_text())
-        } else {
-            "0::bigint".to_string()
+        let content = match (scope.content, scope.portable) {
+            (true, false) => format!("hashtextextended({}, 0)", self.row_text()),
+            (true, true) => format!(
+                "('x' || substr(md5(concat_ws(chr(31), {})), 1, 15))::bit(60)::bigint",
+                self.portable_content()?.join(", ")
+            ),
+            (false, _) => "0::bigint".to_string(),
         };
-        format!(
+        Ok(format!(
             "SELECT ARRAY[{}], ({})::bigint, {content} FROM {}{}",
             keys.join(", "),
             self.side_version(side),
             self.side_table(side),
             self.side_where(side, scope)
-        )
+        ))
     }
 
     /// The source rows with these keys, in the staged layout (deleted or flagged rows too).
