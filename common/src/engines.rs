@@ -23,8 +23,9 @@ pub struct Engine {
     pub name: &'static str,
     /// URL schemes, without `://`.
     pub schemes: &'static [&'static str],
-    /// A reconciliation can hash every column's content on this engine as the other side
-    /// does (only PostgreSQL with PostgreSQL so far); otherwise it compares versions.
+    /// A reconciliation hashes every column's row text natively on this engine (PostgreSQL
+    /// with PostgreSQL); otherwise both sides hash the portable canonical text of each
+    /// column (see `reconcile_reads::PortableKind`), for the types it covers.
     pub hashes_content: bool,
     /// The database a table named without one is in, from the URL (MySQL's `…/db`):
     /// `Some(f)` where the engine has one, and `f(url)` is `None` when the URL names none.
