@@ -105,8 +105,11 @@ async fn check(
         let Some(epoch) = control.current_epoch(name).await? else {
             return Ok(());
         };
-        // Read before the columns: see `Seen::confirmed_floor`.
-        let floor = control.epoch_floor(name, &epoch).await?;
+        // Read before the columns: see `Seen::confirmed_floor` (only an evolving task needs it).
+        let floor = match task.config.schema_changes {
+            SchemaChanges::Evolve => control.epoch_floor(name, &epoch).await?,
+            SchemaChanges::Pause => None,
+        };
         match schema_change(task, pool, &epoch).await? {
             None => seen.confirmed_floor = floor.map(|floor| (epoch.epoch, floor)),
             Some(drift) => {
