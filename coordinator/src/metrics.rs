@@ -22,6 +22,7 @@ pub struct CoordinatorMetrics {
     pub reconcile_ranges: CounterFamily,
     pub reconcile_rows_read: CounterFamily,
     pub reconcile_keys_repaired: CounterFamily,
+    pub schema_evolutions: CounterFamily,
     pub watermark_lag: GaugeFamily,
     pub late_rows: GaugeFamily,
     pub task_paused: GaugeFamily,
@@ -38,6 +39,7 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     reconcile_ranges: CounterFamily::default(),
     reconcile_rows_read: CounterFamily::default(),
     reconcile_keys_repaired: CounterFamily::default(),
+    schema_evolutions: CounterFamily::default(),
     watermark_lag: GaugeFamily::default(),
     late_rows: GaugeFamily::default(),
     task_paused: GaugeFamily::default(),
@@ -91,6 +93,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "tidemark_reconcile_keys_repaired",
         "Keys repaired by reconciliation",
         m.reconcile_keys_repaired.clone(),
+    );
+    r.register(
+        "tidemark_schema_evolutions",
+        "Columns added to a live epoch (schema_changes = \"evolve\")",
+        m.schema_evolutions.clone(),
     );
     r.register(
         "tidemark_watermark_lag_seconds",

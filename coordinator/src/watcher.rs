@@ -534,6 +534,11 @@ async fn evolve(
     {
         return Ok(Ok(()));
     }
+    crate::metrics::count(
+        &crate::metrics::METRICS.schema_evolutions,
+        &[("task", name)],
+        names.len() as u64,
+    );
     tracing::warn!(task = name, epoch = epoch.epoch, added = ?names, ?statements, reread_from = %format_micros(reread_from),
         "source columns added: the epoch evolved, the target gained them, and shards read again from the confirmed watermark");
     Ok(Ok(()))

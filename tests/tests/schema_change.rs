@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use tidemark_tests::{Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, TestDb, compare, create_items};
+use tidemark_tests::{Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, TestDb, compare, create_items, free_port};
 
 async fn quantities(db: &TestDb) -> BTreeMap<i64, Option<String>> {
     sqlx::query_as::<_, (i64, Option<String>)>("SELECT id, qty::text FROM items WHERE id % 10 = 0")
@@ -157,13 +157,20 @@ async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
 
 /// A cluster syncing `rows` items with `schema_changes = "evolve"` (two shards, a worker per
 /// name), its watermark past the snapshot.
-async fn evolving(tag: &str, rows: i64, coordinator_env: Vec<(&'static str, String)>, workers: &[&str]) -> Cluster {
+async fn evolving(
+    tag: &str,
+    rows: i64,
+    coordinator_env: Vec<(&'static str, String)>,
+    coordinator_extra: String,
+    workers: &[&str],
+) -> Cluster {
     let mut cluster = Cluster::new(tag).await;
     create_items(&cluster.source, KeyKind::Bigint, rows).await;
     let settings = TaskSettings {
         shards: 2,
         extra: "schema_changes = \"evolve\"".into(),
         coordinator_env,
+        coordinator_extra,
         ..TaskSettings::default()
     };
     cluster.start(&settings).await;
@@ -187,7 +194,9 @@ async fn an_added_column_evolves_the_live_epoch_and_converges_per_key() {
     let dir = tidemark_tests::TempDir::new("evolve-gate");
     let gate = dir.0.join("gate");
     let env = vec![("TIDEMARK_TEST_SCHEMA_WATCH_GATE", gate.display().to_string())];
-    let cluster = evolving("evolve", 3_000, env, &["a", "b"]).await;
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let extra = format!("metrics_listen = \"{metrics}\"");
+    let cluster = evolving("evolve", 3_000, env, extra, &["a", "b"]).await;
     // The check has confirmed the columns at least once by now (it runs every 500 ms).
     tokio::time::sleep(Duration::from_secs(1)).await;
     std::fs::write(&gate, b"").unwrap();
@@ -257,6 +266,12 @@ async fn an_added_column_evolves_the_live_epoch_and_converges_per_key() {
     );
     let log = cluster.coordinator.as_ref().unwrap().log_text();
     assert!(log.contains("source columns added: the epoch evolved"), "{log}");
+    let scraped = tidemark_tests::otlp::scrape(&metrics).await;
+    assert_eq!(
+        tidemark_tests::otlp::sample(&scraped, "tidemark_schema_evolutions_total", "task=\"items\""),
+        Some(1.0),
+        "{scraped}"
+    );
 }
 
 /// A column added with a default changed every existing row without moving its cursor:
@@ -264,7 +279,7 @@ async fn an_added_column_evolves_the_live_epoch_and_converges_per_key() {
 /// the target.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_column_added_with_a_default_pauses_by_name_under_evolve() {
-    let cluster = evolving("evolve_default", 1_000, Vec::new(), &["a"]).await;
+    let cluster = evolving("evolve_default", 1_000, Vec::new(), String::new(), &["a"]).await;
     cluster
         .source
         .exec("ALTER TABLE items ADD COLUMN flag integer DEFAULT 7")
@@ -299,7 +314,7 @@ async fn a_column_added_with_a_default_pauses_by_name_under_evolve() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_leader_evolves_from_the_epochs_incremental_start() {
     let env = vec![("TIDEMARK_TEST_NO_SCHEMA_WATCH", "1".into())];
-    let mut cluster = evolving("evolve_leader", 2_000, env, &["a"]).await;
+    let mut cluster = evolving("evolve_leader", 2_000, env, String::new(), &["a"]).await;
     cluster
         .source
         .exec(
