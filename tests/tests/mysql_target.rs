@@ -13,7 +13,7 @@ use sqlx::Row;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::mysql::target as mysql_target;
 use tidemark_common::pg::{Column, Read, TableName, TableSql};
-use tidemark_tests::mariadb::{ITEMS_TABLE, MariaDb, items_insert, reader_source, writer_target};
+use tidemark_tests::mariadb::{ITEMS_TABLE, MariaDb, MariaUser, items_insert, reader_source, writer_target};
 use tidemark_tests::{Cluster, KeyKind, TaskSettings, create_items};
 
 async fn mariadb_now(db: &MariaDb) -> i64 {
@@ -739,6 +739,32 @@ async fn dead_letters_are_listed_retried_resolved_and_purged_in_a_mariadb_target
     assert_eq!(left, vec![("1500".to_string(), "RESOLVED".to_string())]);
 }
 
+/// PostgreSQL `items (id, name, updated_at)` with `rows` rows syncing into a MariaDB target
+/// on the writer account (two shards, one worker), its watermark past the snapshot.
+async fn pg_items_into_mariadb(cluster: &mut Cluster, target: &MariaDb, writer: &MariaUser, rows: i64, extra: &str) {
+    cluster
+        .source
+        .exec(&format!(
+            "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, updated_at timestamptz NOT NULL); \
+             INSERT INTO items SELECT i, 'item ' || i, now() - interval '1 hour' + i * interval '1 ms' \
+             FROM generate_series(1, {rows}) i"
+        ))
+        .await;
+    cluster
+        .start(&TaskSettings {
+            target_url: target.url_as(&writer.name, &writer.password),
+            target_table: "items".into(),
+            shards: 2,
+            page_size: 500,
+            extra: extra.into(),
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 2, &[]);
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+}
+
 /// `tasks reinit` on a MariaDB target after the source gained a column: refused naming the
 /// column without `--alter-target`; with it the column is added in its mapped type, epoch 2
 /// snapshots the table again, and every key carries the new column's value and version.
@@ -755,26 +781,7 @@ async fn reinit_adds_a_new_source_column_to_a_mariadb_target() {
             .await;
     }
     let mut cluster = Cluster::new("mi_sync").await;
-    cluster
-        .source
-        .exec(
-            "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, updated_at timestamptz NOT NULL); \
-             INSERT INTO items SELECT i, 'item ' || i, now() - interval '1 hour' + i * interval '1 ms' \
-             FROM generate_series(1, 2000) i",
-        )
-        .await;
-    cluster
-        .start(&TaskSettings {
-            target_url: target.url_as(&writer.name, &writer.password),
-            target_table: "items".into(),
-            shards: 2,
-            page_size: 500,
-            ..TaskSettings::default()
-        })
-        .await;
-    cluster.spawn_worker("a", 2, &[]);
-    let now = cluster.source_now_micros().await;
-    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    pg_items_into_mariadb(&mut cluster, &target, &writer, 2000, "").await;
     cluster
         .source
         .exec(
@@ -934,25 +941,7 @@ async fn mariadb_appends_into_mariadb_and_postgres_accumulates_into_mariadb() {
 async fn an_evolve_the_target_account_cannot_alter_pauses_until_granted() {
     let (target, writer) = writer_target("ev_dst").await;
     let mut cluster = Cluster::new("ev_grant").await;
-    cluster
-        .source
-        .exec(
-            "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, updated_at timestamptz NOT NULL \
-             DEFAULT clock_timestamp()); INSERT INTO items (id, name) SELECT i, 'item ' || i FROM generate_series(1, 1000) i",
-        )
-        .await;
-    cluster
-        .start(&TaskSettings {
-            target_url: target.url_as(&writer.name, &writer.password),
-            target_table: "items".into(),
-            extra: "schema_changes = \"evolve\"".into(),
-            shards: 2,
-            ..TaskSettings::default()
-        })
-        .await;
-    cluster.spawn_worker("a", 2, &[]);
-    let now = cluster.source_now_micros().await;
-    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    pg_items_into_mariadb(&mut cluster, &target, &writer, 1000, "schema_changes = \"evolve\"").await;
     cluster
         .source
         .exec(
