@@ -27,10 +27,6 @@ pub type KeyVersions = HashMap<Vec<String>, (i64, i64)>;
 /// One side's reads.
 #[async_trait::async_trait]
 pub trait SideReads: Send + Sync {
-    /// Whether this side hashes every column's content as the other engine would (only
-    /// PostgreSQL on both sides does); otherwise runs compare versions with the portable hash.
-    fn hashes_content(&self) -> bool;
-
     /// Count and hash sum per bucket of the first key split at `thresholds`.
     async fn bucket_sums(&self, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<BucketSums, ReadError>;
 

@@ -98,7 +98,7 @@ impl ShardRun {
         // Across engines every column is hashed in its portable form; a column none covers
         // fails the run (the coordinator refuses such runs first): never compare less than
         // was asked.
-        let portable = self.portable()?;
+        let portable = self.portable();
         let mut outcome = Outcome::default();
         let mut repairs: Vec<Repair> = Vec::new();
         // (range, counts per side when already known from the parent's buckets)
@@ -176,9 +176,10 @@ impl ShardRun {
         })
     }
 
-    /// Both sides hash every column's content alike only when both are PostgreSQL.
-    fn portable(&self) -> Result<bool, WorkerError> {
-        Ok(!(self.side(Side::Source)?.hashes_content() && self.side(Side::Target)?.hashes_content()))
+    /// Both sides hash every column's row text natively only when both engines do
+    /// (PostgreSQL); otherwise both hash the portable form.
+    fn portable(&self) -> bool {
+        !(self.resources.source.engine().hashes_content && self.resources.target.engine().hashes_content)
     }
 
     async fn sums(&self, side: Side, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<Sums, WorkerError> {

@@ -320,10 +320,6 @@ struct MySqlSide<'a> {
 
 #[async_trait::async_trait]
 impl SideReads for MySqlSide<'_> {
-    fn hashes_content(&self) -> bool {
-        ENGINE.hashes_content
-    }
-
     async fn bucket_sums(&self, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<BucketSums, ReadError> {
         let statement = match &self.statements {
             Statements::Source(statements) => statements

@@ -297,10 +297,6 @@ struct PgSide<'a> {
 
 #[async_trait::async_trait]
 impl SideReads for PgSide<'_> {
-    fn hashes_content(&self) -> bool {
-        ENGINE.hashes_content
-    }
-
     async fn bucket_sums(&self, scope: &Scope<'_>, thresholds: &[KeyValue]) -> Result<BucketSums, ReadError> {
         let statement = self
             .sql
