@@ -347,6 +347,23 @@ impl Process {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Waits until the process's log contains `needle`; panics with the log after `timeout`.
+    pub async fn wait_for_log(&self, needle: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let log = self.log_text();
+            if log.contains(needle) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {timeout:?} waiting for {needle:?} in {}'s log:\n{log}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
 }
 
 impl Drop for Process {

@@ -328,6 +328,15 @@ async fn a_new_leader_evolves_from_the_epochs_incremental_start() {
         .await;
     let config = cluster.config_path.clone();
     cluster.launch_coordinator(&config, &[]).await;
+    // Until the new leader's first check evolves the epoch, the shards keep committing pages
+    // read without the column: the watermark passes any point taken before the evolution.
+    let coordinator = cluster.coordinator.as_ref().unwrap();
+    coordinator
+        .wait_for_log("reading again from the epoch's start", Duration::from_secs(60))
+        .await;
+    coordinator
+        .wait_for_log("the epoch evolved", Duration::from_secs(30))
+        .await;
     let end = cluster.source_now_micros().await;
     let status = cluster
         .wait_for("the watermark past the evolution", Duration::from_secs(90), |t| {
@@ -347,6 +356,4 @@ async fn a_new_leader_evolves_from_the_epochs_incremental_start() {
     )
     .await
     .assert_clean("after a new leader evolved the epoch");
-    let log = cluster.coordinator.as_ref().unwrap().log_text();
-    assert!(log.contains("reading again from the epoch's start"), "{log}");
 }
