@@ -424,6 +424,21 @@ impl ControlDb {
 
     /// Pauses a task: its shards can no longer be acquired and every register or commit is
     /// refused until it is resumed. A task that is already paused keeps its first reason.
+    /// Pauses the task if `epoch` is still its current one: a verdict reached on an epoch that
+    /// `tasks reinit` replaced meanwhile is not the new epoch's (its next check decides).
+    pub async fn pause_epoch(&self, task: &str, epoch: u64, reason: &str) -> Result<bool, CoordinatorError> {
+        let updated = sqlx::query(
+            "UPDATE tasks SET paused_reason = $3 WHERE name = $1 AND current_epoch = $2 AND paused_reason IS NULL",
+        )
+        .bind(task)
+        .bind(epoch as i64)
+        .bind(reason)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(updated == 1)
+    }
+
     pub async fn pause_task(&self, task: &str, reason: &str) -> Result<bool, CoordinatorError> {
         let updated = sqlx::query("UPDATE tasks SET paused_reason = $2 WHERE name = $1 AND paused_reason IS NULL")
             .bind(task)
@@ -490,14 +505,14 @@ impl ControlDb {
     }
 
     /// The committed key positions (snapshot and append cursors) of a task's current epoch.
-    pub async fn committed_key_positions(&self, task: &str) -> Result<Vec<Cursor>, CoordinatorError> {
-        let rows: Vec<serde_json::Value> = sqlx::query_scalar(
-            "SELECT c.cursor FROM checkpoints c JOIN tasks t ON t.name = c.task AND t.current_epoch = c.epoch \
-             WHERE c.task = $1 AND NOT c.retired",
-        )
-        .bind(task)
-        .fetch_all(&self.pool)
-        .await?;
+    /// The committed cursors of the epoch's live shards.
+    pub async fn committed_key_positions(&self, task: &str, epoch: u64) -> Result<Vec<Cursor>, CoordinatorError> {
+        let rows: Vec<serde_json::Value> =
+            sqlx::query_scalar("SELECT cursor FROM checkpoints WHERE task = $1 AND epoch = $2 AND NOT retired")
+                .bind(task)
+                .bind(epoch as i64)
+                .fetch_all(&self.pool)
+                .await?;
         rows.into_iter().map(decode_cursor).collect()
     }
 

@@ -60,8 +60,11 @@ pub async fn watch_source(control: ControlDb, task: PreparedTask, leadership: Le
                 "source checks keep failing: {error} ({MAX_FAILED_CHECKS} rounds in a row); the task's contract cannot be \
                  checked: fix it (see the README's Source requirements), then `tidemark-coordinator tasks resume {name}`"
             );
-            if let Err(error) = pause(&control, &name, &reason).await {
-                tracing::warn!(task = %name, %error, "pausing the task failed");
+            // About the source, not an epoch: it holds whichever epoch is current.
+            match control.pause_task(&name, &reason).await {
+                Ok(true) => tracing::error!(task = %name, reason, "task paused: the source checks keep failing"),
+                Ok(false) => {}
+                Err(error) => tracing::warn!(task = %name, %error, "pausing the task failed"),
             }
         }
     }
@@ -88,10 +91,15 @@ async fn check(
     seen: &mut Seen,
 ) -> Result<(), CoordinatorError> {
     let name = task.config.name.as_str();
+    // One epoch per round: every verdict below is about it, and a pause lands only while it
+    // is still the task's current epoch (a `tasks reinit` meanwhile voids the round).
+    let Some(epoch) = control.current_epoch(name).await? else {
+        return Ok(());
+    };
     let now: i64 = pool.now_micros().await.map_err(CoordinatorError::Source)?;
     if let Some(DeletePolicy::TombstoneTable { retention }) = &task.config.delete_policy {
-        enforce_retention(control, task, pool, now, *retention).await?;
-        check_truncation(control, task, pool).await?;
+        enforce_retention(control, task, &epoch, pool, now, *retention).await?;
+        check_truncation(control, task, &epoch, pool).await?;
     }
     if control.paused_reason(name).await?.is_some() {
         return Ok(());
@@ -102,9 +110,6 @@ async fn check(
     let gated = std::env::var_os("TIDEMARK_TEST_SCHEMA_WATCH_GATE").is_some_and(|f| std::path::Path::new(&f).exists());
     let watch_schema = std::env::var_os("TIDEMARK_TEST_NO_SCHEMA_WATCH").is_none() && !gated;
     if watch_schema {
-        let Some(epoch) = control.current_epoch(name).await? else {
-            return Ok(());
-        };
         // Read before the columns: see `Seen::confirmed_floor` (only an evolving task needs it).
         let floor = match task.config.schema_changes {
             SchemaChanges::Evolve => control.epoch_floor(name, &epoch).await?,
@@ -124,7 +129,7 @@ async fn check(
                     },
                     SchemaChanges::Pause => drift.reason,
                 };
-                if control.pause_task(name, &reason).await? {
+                if control.pause_epoch(name, epoch.epoch, &reason).await? {
                     tracing::error!(task = name, %reason, "pausing task");
                 }
                 return Ok(());
@@ -138,6 +143,7 @@ async fn check(
             pause(
                 control,
                 name,
+                epoch.epoch,
                 &format!("{reason}; then `tidemark-coordinator tasks resume {name}`"),
             )
             .await?;
@@ -160,9 +166,9 @@ async fn check(
     }
     let tolerance = task.config.clock_tolerance().as_micros() as i64;
     if task.config.cursor_column.is_some()
-        && let Some(reason) = impossible_cursor_values(control, task, pool, now, seen).await?
+        && let Some(reason) = impossible_cursor_values(control, task, &epoch, pool, now, seen).await?
     {
-        pause(control, name, &reason).await?;
+        pause(control, name, epoch.epoch, &reason).await?;
         return Ok(());
     }
     if let Some(highest) = control.record_source_clock(name, now).await?
@@ -177,7 +183,7 @@ async fn check(
             (highest - now) as f64 / 1e6,
             tolerance as f64 / 1e6
         );
-        pause(control, name, &reason).await?;
+        pause(control, name, epoch.epoch, &reason).await?;
         return Ok(());
     }
     if task.config.mode.appends() {
@@ -188,7 +194,7 @@ async fn check(
             .await
             .map_err(CoordinatorError::Source)?;
         let committed_max = control
-            .committed_key_positions(name)
+            .committed_key_positions(name, epoch.epoch)
             .await?
             .iter()
             .filter_map(|cursor| {
@@ -207,7 +213,7 @@ async fn check(
                  keys were reused or a sequence was reset, and new rows would never be read. \
                  Reinitialization required"
             );
-            pause(control, name, &reason).await?;
+            pause(control, name, epoch.epoch, &reason).await?;
         }
     }
     Ok(())
@@ -221,18 +227,16 @@ async fn check(
 async fn enforce_retention(
     control: &ControlDb,
     task: &PreparedTask,
+    epoch: &EpochRecord,
     source: &SourcePool,
     now: i64,
     retention: Duration,
 ) -> Result<(), CoordinatorError> {
     let name = task.config.name.as_str();
     let cutoff = now - retention.as_micros() as i64;
-    let start = control
-        .current_epoch(name)
-        .await?
-        .and_then(|e| e.incremental_start.incremental_time());
+    let start = epoch.incremental_start.incremental_time();
     let oldest = control
-        .committed_key_positions(name)
+        .committed_key_positions(name, epoch.epoch)
         .await?
         .iter()
         .map(|cursor| {
@@ -254,7 +258,7 @@ async fn enforce_retention(
             format_duration(retention),
             format_micros(cutoff)
         );
-        pause(control, name, &reason).await?;
+        pause(control, name, epoch.epoch, &reason).await?;
     }
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
     let purged = source
@@ -275,13 +279,11 @@ async fn enforce_retention(
 async fn check_truncation(
     control: &ControlDb,
     task: &PreparedTask,
+    epoch: &EpochRecord,
     source: &SourcePool,
 ) -> Result<(), CoordinatorError> {
     let name = task.config.name.as_str();
     let table = TableName::parse(&task.config.source_table).map_err(CoordinatorError::InvalidRequest)?;
-    let Some(epoch) = control.current_epoch(name).await? else {
-        return Ok(());
-    };
     let truncated = source
         .last_truncate_micros(&table)
         .await
@@ -294,7 +296,7 @@ async fn check_truncation(
              target still holds the removed rows); run `tidemark-coordinator tasks reinit {name}`",
             format_micros(truncated)
         );
-        pause(control, name, &reason).await?;
+        pause(control, name, epoch.epoch, &reason).await?;
         return Ok(());
     }
     if let Some(planned) = &epoch.source_table_id {
@@ -308,7 +310,7 @@ async fn check_truncation(
                 now.as_deref().unwrap_or("gone"),
                 epoch.epoch
             );
-            pause(control, name, &reason).await?;
+            pause(control, name, epoch.epoch, &reason).await?;
         }
     }
     Ok(())
@@ -324,15 +326,13 @@ async fn check_truncation(
 async fn impossible_cursor_values(
     control: &ControlDb,
     task: &PreparedTask,
+    epoch: &EpochRecord,
     source: &SourcePool,
     now: i64,
     seen: &mut Seen,
 ) -> Result<Option<String>, CoordinatorError> {
     let name = task.config.name.as_str();
     let cursor = task.config.cursor_column.as_deref().unwrap_or_default();
-    let Some(epoch) = control.current_epoch(name).await? else {
-        return Ok(None);
-    };
     let sql = TableSql {
         cursor_zone: epoch.cursor_zone.clone(),
         ..planner::table_sql(task)?
@@ -367,7 +367,7 @@ async fn impossible_cursor_values(
         )));
     }
     let watermark = control
-        .committed_key_positions(name)
+        .committed_key_positions(name, epoch.epoch)
         .await?
         .iter()
         .map(|c| c.incremental_time())
@@ -404,8 +404,9 @@ pub fn requires_reinitialization(reason: &str) -> bool {
     reason.to_lowercase().contains("reinitialization required")
 }
 
-async fn pause(control: &ControlDb, task: &str, reason: &str) -> Result<(), CoordinatorError> {
-    if control.pause_task(task, reason).await? {
+/// Pauses the task for a verdict on `epoch` (nothing when a reinit replaced it meanwhile).
+async fn pause(control: &ControlDb, task: &str, epoch: u64, reason: &str) -> Result<(), CoordinatorError> {
+    if control.pause_epoch(task, epoch, reason).await? {
         tracing::error!(task, reason, "task paused: the source broke its contract");
     }
     Ok(())
