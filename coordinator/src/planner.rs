@@ -323,7 +323,7 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
             tracing::warn!(task, %reason, "source columns changed; schema_changes = \"evolve\" decides");
         } else {
             tracing::error!(task, %reason, "pausing task");
-            control.pause_task(task, &reason).await?;
+            control.pause_epoch(task, epoch.epoch, &reason).await?;
         }
     }
     if let (Some(configured), Some(frozen)) = (&config.cursor_time_zone, &epoch.cursor_zone)
