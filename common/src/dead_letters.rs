@@ -6,8 +6,6 @@
 //! (applied, in the same transaction as its data) or back to `RETRY`, and `FAILED` after
 //! `max_retries` failed retries. An operator may mark a row `RESOLVED` by hand.
 
-use sqlx::PgConnection;
-
 use crate::copy_format::CopyFormat;
 use crate::copy_text;
 use crate::pg::TableSql;
@@ -190,43 +188,14 @@ pub fn as_row_error(error: &sqlx::Error) -> Option<RowError> {
     Some(RowError { class, message })
 }
 
-/// Writes a batch's dead letters (deduplicated by key, the last one kept). A key already in
-/// the table takes the new letter and starts over at INIT.
-pub async fn insert(
-    conn: &mut PgConnection,
-    task: &str,
-    shard_id: u32,
-    batch_id: &str,
-    layout: Layout,
-    letters: &[DeadLetter],
-) -> Result<(), sqlx::Error> {
-    let mut by_key: std::collections::BTreeMap<&str, &DeadLetter> = std::collections::BTreeMap::new();
+/// A batch's dead letters one per key, the last one kept, in key order: what a target's
+/// dead-letter table takes (a key already there takes the new letter and starts over).
+pub fn latest_per_key(letters: &[DeadLetter]) -> Vec<(&str, &DeadLetter)> {
+    let mut by_key = std::collections::BTreeMap::new();
     for letter in letters {
         by_key.insert(letter.key.as_str(), letter);
     }
-    let keys: Vec<&str> = by_key.keys().copied().collect();
-    let payloads: Vec<&[u8]> = by_key.values().map(|l| l.payload.as_slice()).collect();
-    let classes: Vec<&str> = by_key.values().map(|l| l.error.class.as_str()).collect();
-    let messages: Vec<&str> = by_key.values().map(|l| l.error.message.as_str()).collect();
-    sqlx::query(
-        "INSERT INTO tidemark_dead_letters AS d (task, key, shard_id, batch_id, payload, payload_layout, error_class, message) \
-         SELECT $1, k, $2, $3, p, $4, c, m FROM unnest($5::text[], $6::bytea[], $7::text[], $8::text[]) AS u(k, p, c, m) \
-         ON CONFLICT (task, key) DO UPDATE SET shard_id = EXCLUDED.shard_id, batch_id = EXCLUDED.batch_id, \
-         payload = EXCLUDED.payload, payload_layout = EXCLUDED.payload_layout, error_class = EXCLUDED.error_class, \
-         message = EXCLUDED.message, status = 'INIT', retry_count = 0, claimed_by = NULL, claimed_at = NULL, \
-         updated_at = now()",
-    )
-    .bind(task)
-    .bind(shard_id as i32)
-    .bind(batch_id)
-    .bind(layout.name())
-    .bind(&keys)
-    .bind(&payloads)
-    .bind(&classes)
-    .bind(&messages)
-    .execute(conn)
-    .await?;
-    Ok(())
+    by_key.into_iter().collect()
 }
 
 #[cfg(test)]

@@ -169,13 +169,9 @@ impl TargetTx for MySqlTx {
         batch: &BatchToApply<'_>,
         letters: &[DeadLetter],
     ) -> Result<(), sqlx::Error> {
-        let mut by_key: std::collections::BTreeMap<&str, &DeadLetter> = std::collections::BTreeMap::new();
-        for letter in letters {
-            by_key.insert(letter.key.as_str(), letter);
-        }
         let manifest = batch.manifest;
         let layout = batch.layout().name();
-        let entries: Vec<(&str, &DeadLetter)> = by_key.into_iter().collect();
+        let entries = tidemark_common::dead_letters::latest_per_key(letters);
         for chunk in entries.chunks(500) {
             let mut query = sqlx::QueryBuilder::<MySql>::new(
                 "INSERT INTO tidemark_dead_letters (task, `key`, shard_id, batch_id, payload, payload_layout, \

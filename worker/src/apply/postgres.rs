@@ -137,16 +137,31 @@ impl TargetTx for PgTx {
         batch: &BatchToApply<'_>,
         letters: &[DeadLetter],
     ) -> Result<(), sqlx::Error> {
+        let letters = dead_letters::latest_per_key(letters);
+        let keys: Vec<&str> = letters.iter().map(|(key, _)| *key).collect();
+        let payloads: Vec<&[u8]> = letters.iter().map(|(_, l)| l.payload.as_slice()).collect();
+        let classes: Vec<&str> = letters.iter().map(|(_, l)| l.error.class.as_str()).collect();
+        let messages: Vec<&str> = letters.iter().map(|(_, l)| l.error.message.as_str()).collect();
         let manifest = batch.manifest;
-        dead_letters::insert(
-            &mut self.0,
-            &manifest.task,
-            manifest.shard_id,
-            &manifest.batch_id,
-            batch.layout(),
-            letters,
+        sqlx::query(
+            "INSERT INTO tidemark_dead_letters AS d (task, key, shard_id, batch_id, payload, payload_layout, error_class, \
+             message) SELECT $1, k, $2, $3, p, $4, c, m FROM unnest($5::text[], $6::bytea[], $7::text[], $8::text[]) \
+             AS u(k, p, c, m) ON CONFLICT (task, key) DO UPDATE SET shard_id = EXCLUDED.shard_id, \
+             batch_id = EXCLUDED.batch_id, payload = EXCLUDED.payload, payload_layout = EXCLUDED.payload_layout, \
+             error_class = EXCLUDED.error_class, message = EXCLUDED.message, status = 'INIT', retry_count = 0, \
+             claimed_by = NULL, claimed_at = NULL, updated_at = now()",
         )
-        .await
+        .bind(&manifest.task)
+        .bind(manifest.shard_id as i32)
+        .bind(&manifest.batch_id)
+        .bind(batch.layout().name())
+        .bind(&keys)
+        .bind(&payloads)
+        .bind(&classes)
+        .bind(&messages)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(())
     }
 
     async fn insert_ledger(&mut self, manifest: &Manifest, dead_letters: u64) -> Result<u64, sqlx::Error> {
