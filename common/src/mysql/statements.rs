@@ -117,7 +117,7 @@ impl MySqlStatements {
     }
 
     pub(super) fn list(&self, sql: &TableSql, target_layout: bool) -> String {
-        let mut list: Vec<String> = self.columns.iter().map(SourceColumn::text_expr).collect();
+        let mut list: Vec<String> = self.columns.iter().map(SourceColumn::select_expr).collect();
         list.push(self.version_expr(sql));
         if !target_layout {
             if sql.cursor_column.is_some() {

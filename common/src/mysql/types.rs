@@ -148,6 +148,37 @@ impl SourceColumn {
         }
     }
 
+    /// The expression for the column in a select list whose values go to the client (a page).
+    /// The text protocol already sends strings (converted to the pinned `utf8mb4` results
+    /// charset), JSON, integers, decimals, dates and times as their COPY text, so those are
+    /// read bare: the `CAST(… AS CHAR)` of [`Self::text_expr`] costs the server a copy of each
+    /// value (a million 200-byte JSON values: about 1.1 s of server CPU). Inside an
+    /// expression (a hash, a comparison), [`Self::text_expr`] stays the rendering.
+    pub fn select_expr(&self) -> String {
+        let bare = matches!(
+            self.data_type.as_str(),
+            "char"
+                | "varchar"
+                | "tinytext"
+                | "text"
+                | "mediumtext"
+                | "longtext"
+                | "enum"
+                | "set"
+                | "json"
+                | "decimal"
+                | "date"
+                | "datetime"
+                | "time"
+                | "year"
+        ) || self.is_integer();
+        match self.data_type.as_str() {
+            _ if bare => quote_ident(&self.name),
+            "timestamp" => format!("CONCAT({}, '+00')", quote_ident(&self.name)),
+            _ => self.text_expr(),
+        }
+    }
+
     /// A key value (as its COPY text) as a literal comparable with the column: numbers as
     /// numbers (a quoted string would compare as a double and lose digits past 2^53),
     /// bytes unhexed, anything else a string compared in the column's own collation.
@@ -212,6 +243,17 @@ mod tests {
         }
         let error = column("geometry").target_type().unwrap_err();
         assert!(error.contains("\"c\"") && error.contains("geometry"), "{error}");
+    }
+
+    #[test]
+    fn pages_read_text_the_protocol_already_renders_bare() {
+        assert_eq!(column("json").select_expr(), "`c`");
+        assert_eq!(column("bigint(20) unsigned").select_expr(), "`c`");
+        assert_eq!(column("timestamp(3)").select_expr(), "CONCAT(`c`, '+00')");
+        assert_eq!(column("tinyint(1)").select_expr(), column("tinyint(1)").text_expr());
+        assert_eq!(column("double").select_expr(), "CAST(`c` AS CHAR)");
+        assert_eq!(column("binary(16)").select_expr(), "CONCAT('\\x', HEX(`c`))");
+        assert_eq!(column("bit(3)").select_expr(), column("bit(3)").text_expr());
     }
 
     #[test]
