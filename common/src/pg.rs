@@ -106,6 +106,17 @@ impl TableName {
     pub fn quoted(&self) -> String {
         format!("{}.{}", quote_ident(&self.schema), quote_ident(&self.name))
     }
+
+    /// The table beside this one where epoch `epoch` of the task writing it lives while it is
+    /// not the live epoch: built there by `tasks reinit`, renamed to this table's name by the
+    /// switch, and back here when a newer epoch replaces it (retained for a rollback).
+    /// `<table>__tm_e<epoch>` in the same schema, bounded like every derived name.
+    pub fn epoch_table(&self, epoch: u64) -> TableName {
+        TableName {
+            schema: self.schema.clone(),
+            name: derived_name("", &self.name, &format!("__tm_e{epoch}")),
+        }
+    }
 }
 
 impl std::fmt::Display for TableName {
@@ -193,6 +204,18 @@ pub struct TableSql {
 }
 
 impl TableSql {
+    /// The statements for a batch of `epoch` when the target's live epoch (its fence) is
+    /// `live`: a newer epoch builds beside the live table, in its [`TableName::epoch_table`];
+    /// `None` when the batch writes the configured table. Kept tombstones are the task's, one
+    /// table for every epoch (they record the source's deletes, whichever epoch read them).
+    pub fn routed(&self, epoch: u64, live: Option<u64>) -> Option<TableSql> {
+        let live = live?;
+        (epoch > live).then(|| TableSql {
+            target: self.target.epoch_table(epoch),
+            ..self.clone()
+        })
+    }
+
     fn cursor_type(&self) -> &str {
         self.columns
             .iter()
@@ -1017,6 +1040,14 @@ mod tests {
         assert_eq!(timestamp_unit_micros("timestamp(3) with time zone"), 1_000);
         assert_eq!(timestamp_unit_micros("timestamp(0) without time zone"), 1_000_000);
         assert_eq!(timestamp_unit_micros("timestamp with time zone"), 1);
+    }
+
+    #[test]
+    fn a_newer_epoch_writes_its_own_table_beside_the_live_one() {
+        let items = TableName::parse("app.items").unwrap();
+        assert_eq!(items.epoch_table(7).to_string(), "app.items__tm_e7");
+        let long = TableName::parse(&"t".repeat(70)).unwrap().epoch_table(12);
+        assert!(long.name.len() <= MAX_IDENTIFIER_BYTES && long.name.ends_with("__tm_e12"), "{long}");
     }
 
     #[test]

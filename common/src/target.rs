@@ -23,6 +23,10 @@ pub trait Target: Send + Sync + Debug {
     /// The table's column types where the engine takes binary batches (PostgreSQL).
     async fn binary_column_types(&self, table: &TableName) -> Result<Option<ColumnTypes>, sqlx::Error>;
 
+    /// The task's live epoch in the target (its epoch fence); `None` before the first.
+    /// A newer epoch's batches and reads go to its own table (see [`TableSql::routed`]).
+    async fn live_epoch(&self, task: &str) -> Result<Option<u64>, sqlx::Error>;
+
     /// What reconciliation reads of this side.
     fn reconcile_reads<'a>(&'a self, sql: &'a TableSql) -> Box<dyn SideReads + 'a>;
 

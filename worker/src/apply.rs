@@ -37,11 +37,15 @@ pub(crate) trait TargetTx: Sized + Send {
     /// The ledger's content hash for `batch_id`, if it holds the batch.
     async fn ledger_hash(pool: &Self::Pool, batch_id: &str) -> Result<Option<String>, sqlx::Error>;
 
-    /// The batch's transaction, or `None` when the ledger already holds the batch. A batch of
-    /// an epoch that `tasks reinit` replaced is refused here, in the target, where its rows
-    /// would go: its shard can no longer commit, but an accumulate task's totals were reset
-    /// and must not count it.
-    async fn begin_unless_applied(pool: &Self::Pool, manifest: &Manifest) -> Result<Option<Self>, WorkerError>;
+    /// The batch's transaction and the task's live epoch in the target (its fence, read under
+    /// the epoch lock that the switch takes exclusively), or `None` when the ledger already
+    /// holds the batch. A batch of an epoch older than the live one is refused here, in the
+    /// target, where its rows would go: its shard can no longer commit, and its table is
+    /// retained or gone.
+    async fn begin_unless_applied(
+        pool: &Self::Pool,
+        manifest: &Manifest,
+    ) -> Result<Option<(Self, Option<u64>)>, WorkerError>;
     /// The ledger holds the batch with the manifest's row count and content.
     async fn verify(pool: &Self::Pool, manifest: &Manifest) -> Result<(), WorkerError>;
     async fn savepoint(&mut self) -> Result<(), sqlx::Error>;
@@ -124,6 +128,7 @@ pub struct OverlapRegion {
 }
 
 /// One batch as the apply sees it.
+#[derive(Clone, Copy)]
 pub struct BatchToApply<'a> {
     pub sql: &'a TableSql,
     pub write: &'a TaskWrite,
@@ -136,7 +141,15 @@ pub struct BatchToApply<'a> {
     pub max_dead_letter_ratio: f64,
 }
 
-impl BatchToApply<'_> {
+impl<'a> BatchToApply<'a> {
+    /// The batch writing the table `sql` names (an epoch's own table), or as it is.
+    fn routed(&self, sql: Option<&'a TableSql>) -> BatchToApply<'a> {
+        BatchToApply {
+            sql: sql.unwrap_or(self.sql),
+            ..*self
+        }
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             target_layout: self.manifest.target_layout,
@@ -278,9 +291,11 @@ fn transform_rows<'r>(
 /// The whole batch in one go: the fast path, and the only one when no row is bad.
 async fn apply_once<T: TargetTx>(target: &T::Pool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
     let manifest = batch.manifest;
-    let Some(mut tx) = T::begin_unless_applied(target, manifest).await? else {
+    let Some((mut tx, live)) = T::begin_unless_applied(target, manifest).await? else {
         return Ok(Applied::already());
     };
+    let routed = batch.sql.routed(manifest.epoch, live);
+    let batch = &batch.routed(routed.as_ref());
     match batch.write {
         TaskWrite::Upsert => {
             if manifest.target_layout && tx.write_fresh(batch).await? {
@@ -309,9 +324,11 @@ async fn apply_once<T: TargetTx>(target: &T::Pool, batch: &BatchToApply<'_>) -> 
 /// rejected group becomes a dead letter; the rest is written in one statement.
 async fn apply_isolating<T: TargetTx>(target: &T::Pool, batch: &BatchToApply<'_>) -> Result<Applied, WorkerError> {
     let manifest = batch.manifest;
-    let Some(mut tx) = T::begin_unless_applied(target, manifest).await? else {
+    let Some((mut tx, live)) = T::begin_unless_applied(target, manifest).await? else {
         return Ok(Applied::already());
     };
+    let routed = batch.sql.routed(manifest.epoch, live);
+    let batch = &batch.routed(routed.as_ref());
     if batch.format == CopyFormat::Binary {
         // A target column whose type changed rejects binary rows: that is no row's fault.
         tx.check_types(batch).await?;

@@ -59,6 +59,9 @@ pub struct ShardRun {
     release_requested: bool,
     /// The next page, read while the previous one was applied.
     prefetched: Option<(ReadPlan, Page, bool)>,
+    /// The statements of the epoch's own table while it builds beside the live one (what a
+    /// reconciliation reads of the target); `None`: the configured table.
+    pub(crate) epoch_sql: Option<TableSql>,
 }
 
 /// A batch about to be committed: its bounds, how many rows it carried, and the lateness of
@@ -223,6 +226,7 @@ impl ShardRun {
             append_bound: None,
             release_requested: false,
             prefetched: None,
+            epoch_sql: None,
         })
     }
 
@@ -244,8 +248,16 @@ impl ShardRun {
         mut stop: watch::Receiver<bool>,
     ) -> Result<(), WorkerError> {
         self.reads = self.source_reads().await?;
-        self.sql.page_format =
-            crate::page_format::choose(&self.sql, &self.write, &self.resources.source, &self.resources.target).await;
+        // A newer epoch than the target's live one writes its own table: compare with that.
+        let live = self.resources.target.live_epoch(&self.task.name).await.unwrap_or(None);
+        let written = self.sql.routed(self.epoch, live);
+        self.sql.page_format = crate::page_format::choose(
+            written.as_ref().unwrap_or(&self.sql),
+            &self.write,
+            &self.resources.source,
+            &self.resources.target,
+        )
+        .await;
         if let Some(pending) = pending {
             self.replay(client, &pending).await?;
         }

@@ -64,6 +64,9 @@ impl ShardRun {
     ) -> Result<(), WorkerError> {
         let started = Instant::now();
         tracing::info!(task = %self.task.name, shard = self.shard_id, run_id = order.run_id, "reconciling shard");
+        // An epoch building beside the live one is compared in its own table (a validation).
+        let live = self.resources.target.live_epoch(&self.task.name).await?;
+        self.epoch_sql = self.sql.routed(self.epoch, live);
         let outcome = self
             .compare_and_repair(client, order.since_micros, !order.versions_only)
             .await?;
@@ -172,7 +175,10 @@ impl ShardRun {
     fn side(&self, side: Side) -> Result<Box<dyn SideReads + '_>, WorkerError> {
         Ok(match side {
             Side::Source => self.resources.source.reconcile_reads(&self.reads, &self.sql)?,
-            Side::Target => self.resources.target.reconcile_reads(&self.sql),
+            Side::Target => self
+                .resources
+                .target
+                .reconcile_reads(self.epoch_sql.as_ref().unwrap_or(&self.sql)),
         })
     }
 

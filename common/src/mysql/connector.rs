@@ -292,6 +292,14 @@ impl Target for MySqlTarget {
         Ok(None)
     }
 
+    async fn live_epoch(&self, task: &str) -> Result<Option<u64>, sqlx::Error> {
+        let epoch: Option<i64> = sqlx::query_scalar(super::target::TARGET_EPOCH_NOW)
+            .bind(task)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(epoch.map(|e| e as u64))
+    }
+
     fn reconcile_reads<'a>(&'a self, sql: &'a TableSql) -> Box<dyn SideReads + 'a> {
         Box::new(MySqlSide {
             pool: &self.pool,

@@ -275,6 +275,14 @@ impl Target for PgTarget {
         Ok(Some(super::column_types(&self.pool, table).await?))
     }
 
+    async fn live_epoch(&self, task: &str) -> Result<Option<u64>, sqlx::Error> {
+        let epoch: Option<i64> = sqlx::query_scalar(crate::pg::TARGET_EPOCH_NOW)
+            .bind(task)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(epoch.map(|e| e as u64))
+    }
+
     fn reconcile_reads<'a>(&'a self, sql: &'a TableSql) -> Box<dyn SideReads + 'a> {
         Box::new(PgSide {
             pool: &self.pool,

@@ -67,7 +67,10 @@ impl TargetTx for MySqlTx {
             .await
     }
 
-    async fn begin_unless_applied(target: &MySqlPool, manifest: &Manifest) -> Result<Option<MySqlTx>, WorkerError> {
+    async fn begin_unless_applied(
+        target: &MySqlPool,
+        manifest: &Manifest,
+    ) -> Result<Option<(MySqlTx, Option<u64>)>, WorkerError> {
         let mut tx = target.begin().await?;
         let current: Option<i64> = sqlx::query_scalar(sql::TARGET_EPOCH)
             .bind(&manifest.task)
@@ -88,7 +91,7 @@ impl TargetTx for MySqlTx {
             tx.rollback().await?;
             return Ok(None);
         }
-        Ok(Some(MySqlTx(tx)))
+        Ok(Some((MySqlTx(tx), current.map(|epoch| epoch as u64))))
     }
 
     async fn verify(target: &MySqlPool, manifest: &Manifest) -> Result<(), WorkerError> {

@@ -32,7 +32,10 @@ impl TargetTx for PgTx {
             .await
     }
 
-    async fn begin_unless_applied(target: &PgPool, manifest: &Manifest) -> Result<Option<PgTx>, WorkerError> {
+    async fn begin_unless_applied(
+        target: &PgPool,
+        manifest: &Manifest,
+    ) -> Result<Option<(PgTx, Option<u64>)>, WorkerError> {
         let mut tx = target.begin().await?;
         let current: Option<i64> = sqlx::query_scalar(tidemark_common::pg::TARGET_EPOCH)
             .bind(&manifest.task)
@@ -53,7 +56,7 @@ impl TargetTx for PgTx {
             tx.rollback().await?;
             return Ok(None);
         }
-        Ok(Some(PgTx(tx)))
+        Ok(Some((PgTx(tx), current.map(|epoch| epoch as u64))))
     }
 
     async fn verify(target: &PgPool, manifest: &Manifest) -> Result<(), WorkerError> {
