@@ -143,6 +143,15 @@ pub struct TaskConfig {
     /// change still pauses by name. Upsert mode only.
     #[serde(default)]
     pub schema_changes: SchemaChanges,
+    /// When a new epoch (`tasks reinit`), built beside the live table and validated, becomes
+    /// the live one: `auto` (default) at once after its validation, `manual` on `tasks
+    /// switch`.
+    #[serde(default)]
+    pub switch: SwitchMode,
+    /// How long a replaced epoch's table is kept after a switch, for `tasks rollback`; then it
+    /// is dropped.
+    #[serde(default = "default_epoch_retention", with = "serde_human")]
+    pub epoch_retention: Duration,
     /// Clauses of the source contract the operator relies on; the coordinator refuses to
     /// start a task whose configuration cannot deliver one (see `contract`).
     #[serde(default)]
@@ -217,6 +226,19 @@ impl ReconcileCompare {
             other => Err(format!("compare {other:?} is not \"content\" or \"versions\"")),
         }
     }
+}
+
+/// When a validated epoch becomes live (see `TaskConfig::switch`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SwitchMode {
+    #[default]
+    Auto,
+    Manual,
+}
+
+fn default_epoch_retention() -> Duration {
+    Duration::from_secs(24 * 3600)
 }
 
 /// What a change of the source's columns does (see `TaskConfig::schema_changes`).
@@ -714,6 +736,29 @@ cursor_column = "updated_at"
         );
         assert_eq!(task.clock_tolerance(), task.overlap);
         assert_eq!(task.version, VersionConfig::Cursor);
+    }
+
+    #[test]
+    fn epochs_switch_automatically_and_are_retained_a_day() {
+        let config = Config::parse(MINIMAL, "t.toml", env).unwrap();
+        assert_eq!(config.tasks[0].switch, SwitchMode::Auto);
+        assert_eq!(config.tasks[0].epoch_retention, Duration::from_secs(86_400));
+        let text = MINIMAL.replace(
+            "cursor_column = \"updated_at\"\n",
+            "cursor_column = \"updated_at\"\nswitch = \"manual\"\nepoch_retention = \"2h\"\n",
+        );
+        let config = Config::parse(&text, "t.toml", env).unwrap();
+        assert_eq!(config.tasks[0].switch, SwitchMode::Manual);
+        assert_eq!(config.tasks[0].epoch_retention, Duration::from_secs(7_200));
+        let text = MINIMAL.replace(
+            "cursor_column = \"updated_at\"\n",
+            "cursor_column = \"updated_at\"\nswitch = \"now\"\n",
+        );
+        let error = Config::parse(&text, "t.toml", env).unwrap_err().to_string();
+        assert!(
+            error.contains("unknown variant `now`, expected `auto` or `manual`"),
+            "{error}"
+        );
     }
 
     #[test]

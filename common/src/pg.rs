@@ -22,20 +22,18 @@ pub use deletes::{DeleteSource, DeleteSql};
 pub const VERSION_COLUMN: &str = "_tidemark_version";
 /// The target-side ledger of applied batches.
 pub const LEDGER_TABLE: &str = "tidemark_ledger";
-/// The epoch a task's batches must belong to in the target (`$1`: the task), read in each
-/// batch's transaction under a shared transaction-level advisory lock of the task, which
-/// `tasks reinit` takes exclusively while it raises the epoch (see `RAISE_TARGET_EPOCH`): a
-/// batch either commits before the raise or sees it. (An advisory lock, not `FOR SHARE`:
-/// no row is written per batch.)
+/// The task's live epoch in the target (`$1`: the task), its fence: read in each batch's
+/// transaction under a shared transaction-level advisory lock of the task, which the switch
+/// takes exclusively while it renames the tables and moves the fence: a batch either commits
+/// before the switch or sees it. A batch of an older epoch is refused; a newer epoch's writes
+/// its own table (see [`TableSql::routed`]). (An advisory lock, not `FOR SHARE`: no row is
+/// written per batch.)
 pub const TARGET_EPOCH: &str = "SELECT (SELECT epoch FROM tidemark_epochs WHERE task = $1) \
      FROM (SELECT pg_advisory_xact_lock_shared(hashtext('tidemark.epoch'), hashtext($1))) lock";
-/// The task's epoch in the target (`$1`), without the lock (the coordinator's start check).
+/// The task's epoch in the target (`$1`), without the lock.
 pub const TARGET_EPOCH_NOW: &str = "SELECT epoch FROM tidemark_epochs WHERE task = $1";
-/// Takes the task's epoch lock exclusively (`$1`: the task), before `RAISE_TARGET_EPOCH`.
+/// Takes the task's epoch lock exclusively (`$1`: the task), for a switch.
 pub const LOCK_TARGET_EPOCH: &str = "SELECT pg_advisory_xact_lock(hashtext('tidemark.epoch'), hashtext($1))";
-/// Raises a task's epoch in the target (`$1` task, `$2` epoch); it never goes down.
-pub const RAISE_TARGET_EPOCH: &str = "INSERT INTO tidemark_epochs (task, epoch) VALUES ($1, $2) \
-     ON CONFLICT (task) DO UPDATE SET epoch = GREATEST(tidemark_epochs.epoch, EXCLUDED.epoch)";
 /// A staged row's cursor time in microseconds: the last field of the staged layout (when the
 /// task has a cursor column); it exists only in the session's stage table.
 pub const CURSOR_MICROS_COLUMN: &str = "_tidemark_cursor_micros";
@@ -1047,7 +1045,10 @@ mod tests {
         let items = TableName::parse("app.items").unwrap();
         assert_eq!(items.epoch_table(7).to_string(), "app.items__tm_e7");
         let long = TableName::parse(&"t".repeat(70)).unwrap().epoch_table(12);
-        assert!(long.name.len() <= MAX_IDENTIFIER_BYTES && long.name.ends_with("__tm_e12"), "{long}");
+        assert!(
+            long.name.len() <= MAX_IDENTIFIER_BYTES && long.name.ends_with("__tm_e12"),
+            "{long}"
+        );
     }
 
     #[test]

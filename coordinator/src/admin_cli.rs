@@ -227,11 +227,10 @@ pub async fn task_resume(addresses: &str, task: String, json: bool) -> anyhow::R
     )
 }
 
-/// `tasks reinit [--alter-target]`: a new epoch, and the target's changes or differences.
-pub async fn task_reinit(addresses: &str, task: String, alter_target: bool, json: bool) -> anyhow::Result<()> {
+/// `tasks reinit`: a new epoch building beside the live table.
+pub async fn task_reinit(addresses: &str, task: String, json: bool) -> anyhow::Result<()> {
     let request = pb::TaskRequest {
         task: task.clone(),
-        alter_target,
         ..Default::default()
     };
     let response = admin(addresses, |mut c| {
@@ -240,24 +239,49 @@ pub async fn task_reinit(addresses: &str, task: String, alter_target: bool, json
     })
     .await?;
     let mut line = format!(
-        "task {task} reinitialized: epoch {} snapshots the table again; reconciliation run {} removes keys deleted meanwhile",
-        response.epoch, response.reconcile_run_id
+        "task {task} reinitialized: epoch {} builds beside the live table (snapshot, changes, validation), then \
+         switches; `tidemark-coordinator status` shows its progress",
+        response.epoch
     );
     for change in &response.target_changes {
-        line.push_str(&format!("\ntarget changed: {change}"));
-    }
-    for difference in &response.target_differences {
-        line.push_str(&format!(
-            "\nnote: target {difference} (left as it is; `--alter-target` converts it)"
-        ));
+        line.push_str(&format!("\ntarget: {change}"));
     }
     report(
         json,
-        json!({
-            "task": task, "epoch": response.epoch, "reconcile_run_id": response.reconcile_run_id,
-            "target_changes": response.target_changes, "target_differences": response.target_differences,
-        }),
+        json!({ "task": task, "epoch": response.epoch, "target_changes": response.target_changes }),
         line,
+    )
+}
+
+/// The epoch commands after `tasks reinit`.
+#[derive(Debug, Clone, Copy)]
+pub enum EpochAction {
+    Switch,
+    Validate,
+    Rollback,
+}
+
+/// `tasks switch`, `tasks validate`, `tasks rollback`.
+pub async fn task_epoch(addresses: &str, action: EpochAction, task: String, json: bool) -> anyhow::Result<()> {
+    let request = pb::TaskRequest {
+        task: task.clone(),
+        ..Default::default()
+    };
+    let response = admin(addresses, |mut c| {
+        let request = request.clone();
+        async move {
+            match action {
+                EpochAction::Switch => c.switch_task(request).await,
+                EpochAction::Validate => c.validate_task(request).await,
+                EpochAction::Rollback => c.rollback_task(request).await,
+            }
+        }
+    })
+    .await?;
+    report(
+        json,
+        json!({ "task": task, "message": response.message }),
+        response.message,
     )
 }
 

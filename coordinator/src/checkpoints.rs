@@ -210,14 +210,43 @@ impl ControlDb {
         &self.pool
     }
 
+    /// The task's live epoch.
     pub async fn current_epoch(&self, task: &str) -> Result<Option<EpochRecord>, CoordinatorError> {
-        let row = sqlx::query(
-            "SELECT e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start, e.cursor_zone, \
-             e.source_table_id FROM tasks t JOIN epochs e ON e.task = t.name AND e.epoch = t.current_epoch WHERE t.name = $1",
+        self.epoch_where(task, "e.epoch = t.current_epoch", None).await
+    }
+
+    /// The epoch whose contract the source checks watch: the one building beside the live
+    /// one (it will be live), else the live one.
+    pub async fn watched_epoch(&self, task: &str) -> Result<Option<EpochRecord>, CoordinatorError> {
+        self.epoch_where(task, "e.epoch = coalesce(t.building_epoch, t.current_epoch)", None)
+            .await
+    }
+
+    /// One epoch of the task, if it runs (live and not frozen, or building).
+    pub async fn epoch_record(&self, task: &str, epoch: u64) -> Result<Option<EpochRecord>, CoordinatorError> {
+        self.epoch_where(
+            task,
+            "e.epoch = $2 AND EXISTS (SELECT 1 FROM running_epochs r WHERE r.task = e.task AND r.epoch = e.epoch)",
+            Some(epoch),
         )
-        .bind(task)
-        .fetch_optional(&self.pool)
-        .await?;
+        .await
+    }
+
+    async fn epoch_where(
+        &self,
+        task: &str,
+        condition: &str,
+        epoch: Option<u64>,
+    ) -> Result<Option<EpochRecord>, CoordinatorError> {
+        let query = format!(
+            "SELECT e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start, e.cursor_zone, \
+             e.source_table_id FROM tasks t JOIN epochs e ON e.task = t.name AND {condition} WHERE t.name = $1"
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(query)).bind(task);
+        if let Some(epoch) = epoch {
+            query = query.bind(epoch as i64);
+        }
+        let row = query.fetch_optional(&self.pool).await?;
         row.map(|row| {
             Ok(EpochRecord {
                 epoch: row.get::<i64, _>(0) as u64,
@@ -383,7 +412,7 @@ impl ControlDb {
     }
 
     /// The epoch's row and its shards, each starting its snapshot.
-    async fn insert_epoch(tx: &mut sqlx::PgConnection, plan: &EpochPlan) -> Result<(), CoordinatorError> {
+    pub(crate) async fn insert_epoch(tx: &mut sqlx::PgConnection, plan: &EpochPlan) -> Result<(), CoordinatorError> {
         sqlx::query(
             "INSERT INTO epochs (task, epoch, schema_id, columns, h0_time_micros, h0_max_key, incremental_start, \
              estimated_rows, cursor_zone, source_table_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
@@ -424,11 +453,13 @@ impl ControlDb {
 
     /// Pauses a task: its shards can no longer be acquired and every register or commit is
     /// refused until it is resumed. A task that is already paused keeps its first reason.
-    /// Pauses the task if `epoch` is still its current one: a verdict reached on an epoch that
-    /// `tasks reinit` replaced meanwhile is not the new epoch's (its next check decides).
+    /// Pauses the task if `epoch` is still the one its checks watch (see [`Self::watched_epoch`]):
+    /// a verdict reached on an epoch that `tasks reinit` replaced meanwhile is not the new
+    /// epoch's (its next check decides).
     pub async fn pause_epoch(&self, task: &str, epoch: u64, reason: &str) -> Result<bool, CoordinatorError> {
         let updated = sqlx::query(
-            "UPDATE tasks SET paused_reason = $3 WHERE name = $1 AND current_epoch = $2 AND paused_reason IS NULL",
+            "UPDATE tasks SET paused_reason = $3 WHERE name = $1 AND paused_reason IS NULL \
+             AND coalesce(building_epoch, current_epoch) = $2",
         )
         .bind(task)
         .bind(epoch as i64)
@@ -532,14 +563,14 @@ impl ControlDb {
         })
     }
 
-    /// Shards of the given tasks' current epochs that are not paused, least recently
-    /// touched first.
+    /// Shards of the given tasks' running epochs (the live one, and one building beside it)
+    /// that are not paused, least recently touched first.
     pub async fn shard_candidates(&self, tasks: &[String], worker: &str) -> Result<Vec<ShardKey>, CoordinatorError> {
         // Shards reserved for this worker (a move) come first; shards reserved for another
         // worker, or waiting for a split or merge, are left alone.
         let rows = sqlx::query(
             "SELECT c.task, c.epoch, c.shard_id FROM checkpoints c \
-             JOIN tasks t ON t.name = c.task AND t.current_epoch = c.epoch \
+             JOIN running_epochs r ON r.task = c.task AND r.epoch = c.epoch JOIN tasks t ON t.name = c.task \
              WHERE t.paused_reason IS NULL AND c.task = ANY($1) AND NOT c.retired AND c.pending_op IS NULL \
              AND (c.reserved_for IS NULL OR c.reserved_for = $2 OR c.reserved_until < now()) \
              ORDER BY (c.reserved_for IS NOT DISTINCT FROM $2) DESC, c.updated_at, c.task, c.shard_id",
@@ -628,8 +659,8 @@ impl ControlDb {
     ) -> Result<LockedCheckpoint, CoordinatorError> {
         let row = sqlx::query(
             "SELECT c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason, t.current_epoch, c.retired, \
-             c.release_requested FROM checkpoints c \
-             JOIN tasks t ON t.name = c.task \
+             c.release_requested, EXISTS (SELECT 1 FROM running_epochs r WHERE r.task = c.task AND r.epoch = c.epoch) \
+             FROM checkpoints c JOIN tasks t ON t.name = c.task \
              WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3 FOR UPDATE OF c",
         )
         .bind(&shard.task)
@@ -659,7 +690,7 @@ impl ControlDb {
                 shard: shard.shard_id,
             });
         }
-        if current_epoch != shard.epoch {
+        if !row.get::<bool, _>(8) {
             return Err(CoordinatorError::EpochSuperseded {
                 task: shard.task.clone(),
                 epoch: shard.epoch,

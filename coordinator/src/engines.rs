@@ -89,17 +89,23 @@ pub(crate) trait TargetSide: Sync {
         epoch: u64,
     ) -> Result<Option<u64>, CoordinatorError>;
 
-    /// `tasks reinit`: raises the target's epoch fence to `epoch` and (with `alter_target`)
-    /// changes the table to the source's columns. Returns the changes made and the
-    /// differences left.
-    async fn reinit(
+    /// `tasks reinit`: creates the new epoch's table beside the live one (`sql.target` names
+    /// it: [`TableName::epoch_table`]) with the source's columns and the live table's
+    /// secondary indexes. Returns the statements run.
+    async fn build_epoch(
         &self,
         config: &TaskConfig,
         sql: &TableSql,
         not_null: &[bool],
-        epoch: u64,
-        alter_target: bool,
-    ) -> Result<(Vec<String>, Vec<String>), CoordinatorError>;
+    ) -> Result<Vec<String>, CoordinatorError>;
+
+    /// Makes epoch `to`'s table the live table (`target_table`) and the live one its epoch's
+    /// table beside, and moves the fence to `to`, atomically for readers and batches (a switch
+    /// or a rollback). Idempotent: false when the fence already held `to`.
+    async fn swap_epoch(&self, config: &TaskConfig, to: u64) -> Result<bool, CoordinatorError>;
+
+    /// Drops an epoch's table beside the live one (past its retention, or abandoned).
+    async fn drop_epoch_table(&self, config: &TaskConfig, epoch: u64) -> Result<(), CoordinatorError>;
 
     /// Adds columns the source gained to the target table (nullable; `schema_changes =
     /// "evolve"`); returns the statements run.

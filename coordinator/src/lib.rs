@@ -4,6 +4,7 @@
 pub mod admin_cli;
 pub mod checkpoints;
 pub(crate) mod engines;
+pub mod epochs;
 pub mod error;
 pub mod janitor;
 pub mod leader;

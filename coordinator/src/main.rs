@@ -9,6 +9,7 @@ use tidemark_common::config::Config;
 use tidemark_common::redact::redact_url;
 use tidemark_common::telemetry::{self, LogFormat};
 use tidemark_coordinator::admin_cli;
+use tidemark_coordinator::admin_cli::EpochAction;
 use tidemark_coordinator::checkpoints::ControlDb;
 use tidemark_coordinator::error::CoordinatorError;
 use tidemark_coordinator::leader::{Leadership, campaign};
@@ -143,14 +144,37 @@ enum TaskAction {
         #[arg(long)]
         json: bool,
     },
-    /// Start a fresh baseline (a new epoch: full snapshot, then a full reconciliation) for a
-    /// task that needs reinitialization.
+    /// Build a fresh baseline (a new epoch) beside the live table: a full snapshot into a
+    /// table of its own, incremental changes, a validation, then the switch. Readers keep the
+    /// live table meanwhile.
     Reinit {
         task: String,
-        /// First change the target table to the source's columns: add missing ones, convert
-        /// those whose type differs (`ALTER TABLE … USING column::type`), in one transaction.
+        #[command(flatten)]
+        target: Target,
         #[arg(long)]
-        alter_target: bool,
+        json: bool,
+    },
+    /// Make the validated new epoch live now (`switch = "manual"`): one target transaction
+    /// renames the tables.
+    Switch {
+        task: String,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Validate the new epoch again, after a validation that found rows it had missed.
+    Validate {
+        task: String,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Bring the previous epoch's retained table back as the live one (within
+    /// `epoch_retention` of the switch).
+    Rollback {
+        task: String,
         #[command(flatten)]
         target: Target,
         #[arg(long)]
@@ -355,12 +379,16 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 json,
             } => admin_cli::task_pause(&target.coordinator, task, reason, json).await,
             TaskAction::Resume { task, target, json } => admin_cli::task_resume(&target.coordinator, task, json).await,
-            TaskAction::Reinit {
-                task,
-                alter_target,
-                target,
-                json,
-            } => admin_cli::task_reinit(&target.coordinator, task, alter_target, json).await,
+            TaskAction::Reinit { task, target, json } => admin_cli::task_reinit(&target.coordinator, task, json).await,
+            TaskAction::Switch { task, target, json } => {
+                admin_cli::task_epoch(&target.coordinator, EpochAction::Switch, task, json).await
+            }
+            TaskAction::Validate { task, target, json } => {
+                admin_cli::task_epoch(&target.coordinator, EpochAction::Validate, task, json).await
+            }
+            TaskAction::Rollback { task, target, json } => {
+                admin_cli::task_epoch(&target.coordinator, EpochAction::Rollback, task, json).await
+            }
         },
         Command::Shards { action } => match action {
             ShardAction::List { task, target, json } => admin_cli::shards_list(&target.coordinator, task, json).await,
@@ -533,6 +561,11 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         control.clone(),
         staging,
         settings.staging_retention,
+        leadership.clone(),
+    ));
+    tokio::spawn(tidemark_coordinator::epochs::drive(
+        control.clone(),
+        tasks.clone(),
         leadership.clone(),
     ));
     tokio::spawn(campaign(leases.clone(), advertise.clone(), leadership.clone()));

@@ -23,6 +23,7 @@ pub struct CoordinatorMetrics {
     pub reconcile_rows_read: CounterFamily,
     pub reconcile_keys_repaired: CounterFamily,
     pub schema_evolutions: CounterFamily,
+    pub epoch_switches: CounterFamily,
     pub watermark_lag: GaugeFamily,
     pub late_rows: GaugeFamily,
     pub task_paused: GaugeFamily,
@@ -40,6 +41,7 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     reconcile_rows_read: CounterFamily::default(),
     reconcile_keys_repaired: CounterFamily::default(),
     schema_evolutions: CounterFamily::default(),
+    epoch_switches: CounterFamily::default(),
     watermark_lag: GaugeFamily::default(),
     late_rows: GaugeFamily::default(),
     task_paused: GaugeFamily::default(),
@@ -98,6 +100,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "tidemark_schema_evolutions",
         "Columns added to a live epoch (schema_changes = \"evolve\")",
         m.schema_evolutions.clone(),
+    );
+    r.register(
+        "tidemark_epoch_switches",
+        "Swaps of a task's live table: a validated epoch made live, or a rollback",
+        m.epoch_switches.clone(),
     );
     r.register(
         "tidemark_watermark_lag_seconds",

@@ -419,78 +419,38 @@ pub fn epoch_columns(task: &str, epoch: &EpochRecord) -> Result<Vec<Column>, Coo
         .map_err(|e| CoordinatorError::task_setup(task, format!("stored epoch columns: {e}")))
 }
 
-/// One way an existing target table differs from the source's columns, and the statement
-/// that removes the difference.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct TargetChange {
-    pub(crate) difference: String,
-    pub(crate) statement: String,
-}
-
-/// How the target table must change to hold the source's columns as the source types them:
-/// a missing column is added (nullable: the new epoch's snapshot fills it), a column of
-/// another type is converted (`USING column::type`). Columns only the target has stay.
-pub(crate) fn target_changes(table: &TableName, source: &[Column], target: &[Column]) -> Vec<TargetChange> {
-    source
-        .iter()
-        .filter_map(|column| {
-            let quoted = pg::quote_ident(&column.name);
-            match target.iter().find(|t| t.name == column.name) {
-                None => Some(TargetChange {
-                    difference: format!(
-                        "column {:?} is missing (the source's is {})",
-                        column.name, column.sql_type
-                    ),
-                    statement: format!("ALTER TABLE {} ADD COLUMN {quoted} {}", table.quoted(), column.sql_type),
-                }),
-                Some(existing) if existing.sql_type != column.sql_type => Some(TargetChange {
-                    difference: format!(
-                        "column {:?} is {} where the source's is {}",
-                        column.name, existing.sql_type, column.sql_type
-                    ),
-                    statement: format!(
-                        "ALTER TABLE {} ALTER COLUMN {quoted} TYPE {} USING {quoted}::{}",
-                        table.quoted(),
-                        column.sql_type,
-                        column.sql_type
-                    ),
-                }),
-                Some(_) => None,
-            }
-        })
-        .collect()
-}
-
 /// What `tasks reinit` did.
 pub struct Reinit {
     pub epoch: u64,
-    /// Statements that changed the target table (`alter_target`).
+    /// The statements that built the new epoch's table beside the live one.
     pub target_changes: Vec<String>,
-    /// Differences left in the target table (without `alter_target`).
-    pub target_differences: Vec<String>,
 }
 
 /// `tasks reinit`: plans the next epoch from the source as it is now (a fresh snapshot, start
-/// bound H0 read now), checks the target against it (with `alter_target`, first changes it
-/// to hold the source's columns), and switches the task to it.
-pub async fn reinit_task(
-    control: &ControlDb,
-    config: &TaskConfig,
-    alter_target: bool,
-) -> Result<Reinit, CoordinatorError> {
+/// bound H0 read now) and builds its table beside the live one (see `epochs`). The live epoch
+/// keeps syncing unless the task was paused because its reads broke (`reinitialization
+/// required`, or its columns changed): then it stops, and its table serves until the switch.
+pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<Reinit, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    let current = control
+    let live = control
         .current_epoch(task)
         .await?
         .ok_or_else(|| setup("the task has no epoch yet; start the coordinator first".into()))?;
     let source = inspect_source(config).await?;
     let not_null: Vec<bool> = source.columns.iter().map(|c| c.not_null).collect();
-    let plan = plan_epoch(&source, config, current.epoch + 1).await?;
+    let epoch = control.next_epoch(task).await?;
+    let plan = plan_epoch(&source, config, epoch).await?;
     source.pool.close().await;
+    let broken = control
+        .paused_reason(task)
+        .await?
+        .is_some_and(|reason| crate::watcher::requires_reinitialization(&reason))
+        || plan.schema_id != live.schema_id;
+    let live_table = TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?;
     let sql = TableSql {
         source: source.table,
-        target: TableName::parse(&config.target_table).map_err(|e| setup(format!("target_table: {e}")))?,
+        target: live_table.epoch_table(plan.epoch),
         columns: source.columns.iter().map(|c| c.column.clone()).collect(),
         key_columns: config.key.clone(),
         cursor_column: config.cursor_column.clone(),
@@ -500,26 +460,10 @@ pub async fn reinit_task(
         page_format: CopyFormat::Text,
         cursor_zone: None,
     };
-    let mut reinit = Reinit {
-        epoch: plan.epoch,
-        target_changes: Vec::new(),
-        target_differences: Vec::new(),
-    };
-    (reinit.target_changes, reinit.target_differences) = engines::target_side(config)?
-        .reinit(config, &sql, &not_null, plan.epoch, alter_target)
+    let target_changes = engines::target_side(config)?
+        .build_epoch(config, &sql, &not_null)
         .await?;
-    switch_to(control, task, &plan, reinit).await
-}
-
-/// Switches the control database to the planned epoch, once the target refuses older ones.
-pub(crate) async fn switch_to(
-    control: &ControlDb,
-    task: &str,
-    plan: &EpochPlan,
-    reinit: Reinit,
-) -> Result<Reinit, CoordinatorError> {
-    let setup = |message: String| CoordinatorError::task_setup(task, message);
-    if !control.switch_epoch(plan).await? {
+    if !control.begin_building(&plan, broken).await? {
         return Err(setup(format!(
             "epoch {} already exists: another reinitialization won",
             plan.epoch
@@ -529,9 +473,15 @@ pub(crate) async fn switch_to(
         task,
         epoch = plan.epoch,
         shards = plan.ranges.len(),
-        "task reinitialized: new epoch planned"
+        table = %sql.target,
+        live = live.epoch,
+        live_keeps_syncing = !broken,
+        "task reinitialized: the new epoch builds beside the live table"
     );
-    Ok(reinit)
+    Ok(Reinit {
+        epoch: plan.epoch,
+        target_changes,
+    })
 }
 
 /// The source's clock now (microseconds since the Unix epoch): windows over cursor times,
@@ -709,46 +659,5 @@ pub(crate) async fn settled_max_key(
         }
         tracing::warn!(task = %config.name, %hold, "waiting to fix the snapshot's largest key");
         tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn column(name: &str, sql_type: &str) -> Column {
-        Column {
-            name: name.into(),
-            sql_type: sql_type.into(),
-        }
-    }
-
-    #[test]
-    fn target_changes_add_missing_columns_and_convert_other_types() {
-        let table = TableName::parse("public.items").unwrap();
-        let source = [column("id", "bigint"), column("qty", "bigint"), column("Color", "text")];
-        let target = [
-            column("id", "bigint"),
-            column("qty", "integer"),
-            column("_tidemark_version", "bigint"),
-        ];
-        let changes = target_changes(&table, &source, &target);
-        assert_eq!(
-            changes,
-            vec![
-                TargetChange {
-                    difference: "column \"qty\" is integer where the source's is bigint".into(),
-                    statement: format!(
-                        "ALTER TABLE {} ALTER COLUMN \"qty\" TYPE bigint USING \"qty\"::bigint",
-                        table.quoted()
-                    ),
-                },
-                TargetChange {
-                    difference: "column \"Color\" is missing (the source's is text)".into(),
-                    statement: format!("ALTER TABLE {} ADD COLUMN \"Color\" text", table.quoted()),
-                },
-            ]
-        );
-        assert_eq!(target_changes(&table, &source[..1], &target), vec![], "equal columns");
     }
 }

@@ -18,6 +18,7 @@ pub struct ShardReconcile {
     pub keys_repaired: u64,
     pub extra_in_target: u64,
     pub duration_ms: u64,
+    pub keys_missed: u64,
 }
 
 const RUN_SELECT: &str = "SELECT r.id, r.task, r.epoch, r.reason, r.since_micros, \
@@ -26,7 +27,8 @@ const RUN_SELECT: &str = "SELECT r.id, r.task, r.epoch, r.reason, r.since_micros
      coalesce(sum(s.ranges_compared), 0)::bigint, coalesce(sum(s.rows_read), 0)::bigint, \
      coalesce(sum(s.keys_repaired), 0)::bigint, coalesce(sum(s.extra_in_target), 0)::bigint, \
      coalesce((extract(epoch from (coalesce(r.finished_at, now()) - r.requested_at)) * 1000)::bigint, 0), \
-     r.compare FROM reconcile_runs r LEFT JOIN reconcile_shards s ON s.run_id = r.id";
+     r.compare, coalesce(sum(s.keys_missed), 0)::bigint FROM reconcile_runs r \
+     LEFT JOIN reconcile_shards s ON s.run_id = r.id";
 
 fn run_from_row(row: &sqlx::postgres::PgRow) -> pb::ReconcileRun {
     pb::ReconcileRun {
@@ -45,11 +47,12 @@ fn run_from_row(row: &sqlx::postgres::PgRow) -> pb::ReconcileRun {
         extra_in_target: row.get::<i64, _>(12) as u64,
         duration_ms: row.get::<i64, _>(13).max(0) as u64,
         compare: row.get(14),
+        keys_missed: row.get::<i64, _>(15) as u64,
     }
 }
 
 impl ControlDb {
-    /// Creates a run over every shard of the task's current epoch; returns its id.
+    /// Creates a run over every shard of the task's live epoch; returns its id.
     pub async fn start_reconcile(
         &self,
         task: &str,
@@ -57,18 +60,37 @@ impl ControlDb {
         since_micros: Option<i64>,
         compare: ReconcileCompare,
     ) -> Result<u64, CoordinatorError> {
+        let epoch: i64 = sqlx::query_scalar("SELECT current_epoch FROM tasks WHERE name = $1")
+            .bind(task)
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or_else(|| CoordinatorError::UnknownTask(task.to_string()))?;
+        self.start_reconcile_of(task, epoch as u64, reason, since_micros, compare)
+            .await
+    }
+
+    /// Creates a run over every shard of one epoch (a building epoch's validation); returns
+    /// its id.
+    pub async fn start_reconcile_of(
+        &self,
+        task: &str,
+        epoch: u64,
+        reason: &str,
+        since_micros: Option<i64>,
+        compare: ReconcileCompare,
+    ) -> Result<u64, CoordinatorError> {
         let mut tx = self.pool().begin().await?;
         let id: i64 = sqlx::query_scalar(
             "INSERT INTO reconcile_runs (task, epoch, reason, since_micros, compare) \
-             SELECT name, current_epoch, $2, $3, $4 FROM tasks WHERE name = $1 RETURNING id",
+             VALUES ($1, $2, $3, $4, $5) RETURNING id",
         )
         .bind(task)
+        .bind(epoch as i64)
         .bind(reason)
         .bind(since_micros)
         .bind(compare.as_str())
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| CoordinatorError::UnknownTask(task.to_string()))?;
+        .fetch_one(&mut *tx)
+        .await?;
         sqlx::query(
             "INSERT INTO reconcile_shards (run_id, shard_id, state) \
              SELECT $1, c.shard_id, 'PENDING' FROM checkpoints c JOIN reconcile_runs r ON r.id = $1 \
@@ -118,7 +140,7 @@ impl ControlDb {
             .await?;
         sqlx::query(
             "UPDATE reconcile_shards SET state = 'DONE', ranges_compared = $3, rows_read = $4, keys_repaired = $5, \
-             extra_in_target = $6, duration_ms = $7, finished_at = now() \
+             extra_in_target = $6, duration_ms = $7, keys_missed = $8, finished_at = now() \
              WHERE run_id = $1 AND shard_id = $2 AND state = 'PENDING'",
         )
         .bind(run_id as i64)
@@ -128,6 +150,7 @@ impl ControlDb {
         .bind(result.keys_repaired as i64)
         .bind(result.extra_in_target as i64)
         .bind(result.duration_ms as i64)
+        .bind(result.keys_missed as i64)
         .execute(&mut *tx)
         .await?;
         sqlx::query(

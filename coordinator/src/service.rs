@@ -207,13 +207,12 @@ impl CoordinatorService {
         };
         let pending = coordinator.control.pending_batch(shard, &record.cursor).await?;
         let task = self.task(&shard.task)?;
-        // The epoch as the control database has it now (`tasks reinit` may have replaced the
-        // one planned at start).
+        // The shard's epoch as the control database has it now (`tasks reinit` plans new
+        // ones; an evolution changes its columns).
         let epoch = coordinator
             .control
-            .current_epoch(&shard.task)
+            .epoch_record(&shard.task, shard.epoch)
             .await?
-            .filter(|e| e.epoch == shard.epoch)
             .ok_or_else(|| CoordinatorError::EpochSuperseded {
                 task: shard.task.clone(),
                 epoch: shard.epoch,
@@ -480,6 +479,7 @@ impl WorkerService for CoordinatorService {
             keys_repaired: request.keys_repaired,
             extra_in_target: request.extra_in_target,
             duration_ms: request.duration_ms,
+            keys_missed: request.keys_missed,
         };
         self.inner
             .control
@@ -626,7 +626,18 @@ impl AdminService for CoordinatorService {
                     }
                 })
                 .collect();
+            let epochs = match self.inner.tasks.get(&task.name) {
+                Some(prepared) => {
+                    let owned = |epoch: u64, shard: u32| owners.contains_key(&shard_key(&task.name, epoch, shard));
+                    crate::epochs::status(&self.inner.control, prepared, owned).await?
+                }
+                None => crate::epochs::EpochsView::default(),
+            };
+            warnings.extend(epochs.warnings);
             tasks.push(pb::TaskStatus {
+                building: epochs.building,
+                retained: epochs.retained,
+                live_frozen: epochs.live_frozen,
                 name: task.name,
                 epoch: task.epoch,
                 phase: phase.into(),
@@ -729,20 +740,36 @@ impl AdminService for CoordinatorService {
         self.inner.leadership.require().await?;
         let request = request.into_inner();
         let task = self.task(&request.task)?;
-        let reinit = reinit_task(&self.inner.control, &task.config, request.alter_target).await?;
-        // The new epoch snapshots every live row; keys deleted meanwhile are only found by
-        // comparing, so a full reconciliation follows each shard's snapshot.
-        let reconcile_run_id = self
-            .inner
-            .control
-            .start_reconcile(&request.task, "reinit", None, task.config.reconcile_compare)
-            .await?;
+        let reinit = reinit_task(&self.inner.control, &task.config).await?;
+        // The validation (a full reconciliation of the new table) starts once the new epoch's
+        // snapshot is done and its watermark passed it (see `epochs`).
         Ok(Response::new(pb::ReinitResponse {
             epoch: reinit.epoch,
-            reconcile_run_id,
+            reconcile_run_id: 0,
             target_changes: reinit.target_changes,
-            target_differences: reinit.target_differences,
+            target_differences: Vec::new(),
         }))
+    }
+
+    async fn switch_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::EpochResponse>, Status> {
+        self.inner.leadership.require().await?;
+        let request = request.into_inner();
+        let message = crate::epochs::switch(&self.inner.control, self.task(&request.task)?).await?;
+        Ok(Response::new(pb::EpochResponse { message }))
+    }
+
+    async fn validate_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::EpochResponse>, Status> {
+        self.inner.leadership.require().await?;
+        let request = request.into_inner();
+        let message = crate::epochs::validate(&self.inner.control, self.task(&request.task)?).await?;
+        Ok(Response::new(pb::EpochResponse { message }))
+    }
+
+    async fn rollback_task(&self, request: Request<pb::TaskRequest>) -> Result<Response<pb::EpochResponse>, Status> {
+        self.inner.leadership.require().await?;
+        let request = request.into_inner();
+        let message = crate::epochs::rollback(&self.inner.control, self.task(&request.task)?).await?;
+        Ok(Response::new(pb::EpochResponse { message }))
     }
 
     async fn list_shards(&self, request: Request<pb::ListShardsRequest>) -> Result<Response<pb::ShardList>, Status> {

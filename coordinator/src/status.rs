@@ -72,10 +72,73 @@ pub fn to_json(status: &pb::StatusResponse) -> serde_json::Value {
             if !task.paused_reason.is_empty() {
                 value["paused_reason"] = json!(task.paused_reason);
             }
+            value["building"] = task.building.as_ref().map_or(serde_json::Value::Null, epoch_json);
+            value["retained"] = json!(task.retained.iter().map(epoch_json).collect::<Vec<_>>());
+            value["live_frozen"] = json!(task.live_frozen);
             value
         })
         .collect();
     json!({ "tasks": tasks })
+}
+
+/// A building or retained epoch as JSON.
+pub fn epoch_json(epoch: &pb::EpochStatus) -> serde_json::Value {
+    json!({
+        "epoch": epoch.epoch,
+        "state": epoch.state,
+        "table": epoch.table,
+        "snapshot_complete": epoch.snapshot_complete,
+        "rows_applied": epoch.rows_applied,
+        "estimated_rows": epoch.estimated_rows,
+        "watermark": epoch.watermark_micros.map(format_micros),
+        "validation": epoch.validation,
+        "eta_seconds": epoch.eta_seconds,
+        "retained_until": epoch.retained_until_micros.map(format_micros),
+        "awaiting_switch": epoch.awaiting_switch,
+    })
+}
+
+/// One line for a building or retained epoch.
+pub fn epoch_line(epoch: &pb::EpochStatus) -> String {
+    match epoch.state.as_str() {
+        "building" => {
+            let progress = if epoch.snapshot_complete {
+                format!(
+                    "snapshot done, watermark {}",
+                    epoch.watermark_micros.map_or_else(|| "-".to_string(), format_micros)
+                )
+            } else {
+                let total = if epoch.estimated_rows == 0 {
+                    "~".to_string()
+                } else {
+                    epoch.estimated_rows.to_string()
+                };
+                let eta = epoch
+                    .eta_seconds
+                    .map_or_else(|| "-".to_string(), |s| format!("{s:.0}s"));
+                format!("snapshot {}/{total} rows, ETA {eta}", epoch.rows_applied)
+            };
+            let waiting = if epoch.awaiting_switch {
+                "; validated, waiting for `tasks switch`"
+            } else {
+                ""
+            };
+            format!(
+                "epoch {} building in {}: {progress}; validation {}{waiting}",
+                epoch.epoch, epoch.table, epoch.validation
+            )
+        }
+        _ => format!(
+            "epoch {} {} in {}{}",
+            epoch.epoch,
+            epoch.state,
+            epoch.table,
+            epoch.retained_until_micros.map_or_else(String::new, |t| format!(
+                " until {} (`tasks rollback`)",
+                format_micros(t)
+            ))
+        ),
+    }
 }
 
 /// One reconciliation run as JSON (`status --json` and `reconcile --json`).
@@ -94,6 +157,7 @@ pub fn reconcile_json(run: &pb::ReconcileRun) -> serde_json::Value {
         "rows_read": run.rows_read,
         "keys_repaired": run.keys_repaired,
         "extra_in_target": run.extra_in_target,
+        "keys_missed": run.keys_missed,
         "duration_ms": run.duration_ms,
     })
 }
@@ -141,6 +205,9 @@ pub fn to_table(status: &pb::StatusResponse) -> String {
         }
         if let Some(run) = &task.last_reconcile {
             out.push_str(&format!("  last reconcile: {}\n", reconcile_line(run)));
+        }
+        for epoch in task.building.iter().chain(&task.retained) {
+            out.push_str(&format!("  {}\n", epoch_line(epoch)));
         }
         out.push_str(&format!(
             "  late rows {}  p99 {:.1}s  max {:.1}s  (overlap {:.1}s)\n",
@@ -232,6 +299,9 @@ pub fn to_watch(
         }
         if !task.paused_reason.is_empty() {
             out.push_str(&format!("  paused: {}\n", task.paused_reason));
+        }
+        for epoch in task.building.iter().chain(&task.retained) {
+            out.push_str(&format!("  {}\n", epoch_line(epoch)));
         }
         for warning in &task.warnings {
             out.push_str(&format!("  warning: {warning}\n"));

@@ -92,8 +92,9 @@ async fn check(
 ) -> Result<(), CoordinatorError> {
     let name = task.config.name.as_str();
     // One epoch per round: every verdict below is about it, and a pause lands only while it
-    // is still the task's current epoch (a `tasks reinit` meanwhile voids the round).
-    let Some(epoch) = control.current_epoch(name).await? else {
+    // is still the watched one (a `tasks reinit` meanwhile voids the round). While a new
+    // epoch builds, it is the one watched: the live one's table serves until the switch.
+    let Some(epoch) = control.watched_epoch(name).await? else {
         return Ok(());
     };
     let now: i64 = pool.now_micros().await.map_err(CoordinatorError::Source)?;
@@ -505,7 +506,15 @@ async fn evolve(
         }
         (None, None) => return Ok(Err(drift.reason.clone())),
     };
-    let target = TableName::parse(&config.target_table).map_err(CoordinatorError::InvalidRequest)?;
+    let mut target = TableName::parse(&config.target_table).map_err(CoordinatorError::InvalidRequest)?;
+    if control
+        .current_epoch(name)
+        .await?
+        .is_some_and(|live| live.epoch != epoch.epoch)
+    {
+        // The epoch builds beside the live table: its own table gains the columns.
+        target = target.epoch_table(epoch.epoch);
+    }
     let added_columns: Vec<_> = added.iter().map(|c| c.column.clone()).collect();
     let statements = match crate::engines::target_side(config)?
         .add_columns(config, &target, &added_columns)

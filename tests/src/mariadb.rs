@@ -150,7 +150,7 @@ pub async fn writer_target(tag: &str) -> (MariaDb, MariaUser) {
         &target,
         tag,
         &[&format!(
-            "GRANT SELECT, INSERT, UPDATE, DELETE, CREATE, INDEX ON `{}`.* ",
+            "GRANT SELECT, INSERT, UPDATE, DELETE, CREATE, INDEX, ALTER, DROP ON `{}`.* ",
             target.name
         )],
     )

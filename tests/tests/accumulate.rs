@@ -484,7 +484,8 @@ async fn reinit_of_an_accumulate_task_keeps_the_totals_exact() {
             ..settings()
         })
         .await;
-    cluster.spawn_worker("accreinit-w", 2, &[]);
+    // Room for epoch 2's shards beside epoch 1's while it builds.
+    cluster.spawn_worker("accreinit-w", 4, &[]);
     let rows = type5_rows(&cluster.source).await;
     cluster
         .wait_for("the snapshot", Duration::from_secs(120), |t| t.rows_applied == rows)

@@ -765,21 +765,14 @@ async fn pg_items_into_mariadb(cluster: &mut Cluster, target: &MariaDb, writer: 
     cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
 }
 
-/// `tasks reinit` on a MariaDB target after the source gained a column: refused naming the
-/// column without `--alter-target`; with it the column is added in its mapped type, epoch 2
-/// snapshots the table again, and every key carries the new column's value and version.
+/// `tasks reinit` on a MariaDB target after the source gained a column: epoch 2 builds in a
+/// table beside the live one with the column in its mapped type (the README's grants: ALTER
+/// and DROP for the table beside and the rename), is validated, and one RENAME TABLE makes it
+/// live; every key carries the new column's value and version, and epoch 1's table is
+/// retained beside.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reinit_adds_a_new_source_column_to_a_mariadb_target() {
+async fn reinit_builds_a_new_source_column_beside_in_a_mariadb_target() {
     let (target, writer) = writer_target("mi_dst").await;
-    // `--alter-target` alters the table: the README's ALTER grant for it.
-    for host in ["%", "localhost"] {
-        target
-            .exec(&format!(
-                "GRANT ALTER ON `{}`.* TO '{}'@'{host}'",
-                target.name, writer.name
-            ))
-            .await;
-    }
     let mut cluster = Cluster::new("mi_sync").await;
     pg_items_into_mariadb(&mut cluster, &target, &writer, 2000, "").await;
     cluster
@@ -789,24 +782,16 @@ async fn reinit_adds_a_new_source_column_to_a_mariadb_target() {
              UPDATE items SET color = 'blue', updated_at = clock_timestamp() WHERE id % 10 = 0",
         )
         .await;
-    let (ok, _, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
-    assert!(
-        !ok && stderr.contains("has no column color") && stderr.contains("--alter-target"),
-        "{stderr}"
-    );
-    let reinit = cluster.cli_json(&["tasks", "reinit", "items", "--alter-target"]);
+    let reinit = cluster.cli_json(&["tasks", "reinit", "items"]);
     assert_eq!(reinit["epoch"].as_u64(), Some(2), "{reinit}");
     assert_eq!(
         reinit["target_changes"],
-        serde_json::json!([format!(
-            "ALTER TABLE `{}`.`items` ADD COLUMN `color` LONGTEXT",
-            target.name
-        )]),
+        serde_json::json!([format!("CREATE TABLE `{}`.`items__tm_e2`", target.name)]),
         "{reinit}"
     );
     let now = cluster.source_now_micros().await;
     cluster
-        .wait_for("epoch 2 past the change", Duration::from_secs(90), |t| {
+        .wait_for("epoch 2 live past the change", Duration::from_secs(90), |t| {
             t.epoch == 2 && t.phase != "paused" && t.watermark_micros.is_some_and(|w| w > now)
         })
         .await;
@@ -821,6 +806,18 @@ async fn reinit_adds_a_new_source_column_to_a_mariadb_target() {
     if let Some(diff) = differences(&expected, &actual) {
         panic!("after reinit: {diff}");
     }
+    let retained: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = ? \
+         AND table_name = 'items__tm_e1' ORDER BY ordinal_position",
+    )
+    .bind(&target.name)
+    .fetch_all(&target.pool)
+    .await
+    .unwrap();
+    assert!(
+        !retained.is_empty() && !retained.iter().any(|c| c == "color"),
+        "{retained:?}"
+    );
 }
 
 /// The remaining cells of the pair × mode matrix: MariaDB → MariaDB in append mode (an
@@ -940,6 +937,14 @@ async fn mariadb_appends_into_mariadb_and_postgres_accumulates_into_mariadb() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evolve_the_target_account_cannot_alter_pauses_until_granted() {
     let (target, writer) = writer_target("ev_dst").await;
+    for host in ["%", "localhost"] {
+        target
+            .exec(&format!(
+                "REVOKE ALTER ON `{}`.* FROM '{}'@'{host}'",
+                target.name, writer.name
+            ))
+            .await;
+    }
     let mut cluster = Cluster::new("ev_grant").await;
     pg_items_into_mariadb(&mut cluster, &target, &writer, 1000, "schema_changes = \"evolve\"").await;
     cluster

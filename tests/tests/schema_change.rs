@@ -2,8 +2,9 @@
 //! type while the shards run. The workers refuse every page read after the change, so nothing
 //! read under the new type reaches the target, and the coordinator pauses the task with
 //! `schema changed … reinitialization required` (its running check, or its start-up check).
-//! `tasks reinit --alter-target` converts the target column and adds the new one, and the
-//! new epoch converges per key.
+//! `tasks reinit` builds the new epoch beside the live table with the source's columns (the
+//! new type, the new column), validates it, switches, and it converges per key; the old table
+//! is retained beside.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -91,31 +92,24 @@ async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
     );
     assert_eq!(quantities(&cluster.target).await, before);
 
-    // The restarted coordinator leads once the killed one's etcd lease has expired. Without
-    // --alter-target, reinit refuses a target that lacks a source column, and names it.
+    // The restarted coordinator leads once the killed one's etcd lease has expired.
     let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (ok, _, stderr) = cluster.cli(&["tasks", "reinit", "items", "--coordinator", &cluster.address]);
-        assert!(!ok, "reinit without the new column");
-        if !stderr.contains("not the leader") {
-            assert!(
-                stderr.contains("column \"color\" is missing (the source's is text)")
-                    && stderr.contains("--alter-target"),
-                "reinit: {stderr}"
-            );
-            break;
+    let reinit = loop {
+        let (ok, stdout, stderr) =
+            cluster.cli(&["tasks", "reinit", "items", "--json", "--coordinator", &cluster.address]);
+        if ok {
+            break serde_json::from_str::<serde_json::Value>(&stdout).unwrap();
         }
-        assert!(Instant::now() < deadline, "reinit: {stderr}");
+        assert!(
+            stderr.contains("not the leader") && Instant::now() < deadline,
+            "reinit: {stderr}"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    let reinit = cluster.cli_json(&["tasks", "reinit", "items", "--alter-target"]);
+    };
     assert_eq!(reinit["epoch"].as_u64(), Some(2), "{reinit}");
     assert_eq!(
         reinit["target_changes"],
-        serde_json::json!([
-            "ALTER TABLE \"public\".\"items\" ALTER COLUMN \"qty\" TYPE bigint USING \"qty\"::bigint",
-            "ALTER TABLE \"public\".\"items\" ADD COLUMN \"color\" text",
-        ]),
+        serde_json::json!(["CREATE TABLE \"public\".\"items__tm_e2\""]),
         "{reinit}"
     );
     let now = cluster.source_now_micros().await;
@@ -153,6 +147,12 @@ async fn a_column_type_change_pauses_the_task_and_reinit_converges() {
         .await
         .unwrap();
     assert_eq!(qty_type, "bigint");
+    // The replaced epoch's table is retained beside, with its old type, for a rollback.
+    let old_type: String = sqlx::query_scalar("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = 'items__tm_e1'::regclass AND attname = 'qty'")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(old_type, "integer");
 }
 
 /// A cluster syncing `rows` items with `schema_changes = "evolve"` (two shards, a worker per

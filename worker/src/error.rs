@@ -33,6 +33,10 @@ pub enum WorkerError {
     /// request to pause the task (`target rejects rows`).
     #[error("target rejects rows: {0}")]
     TargetRejects(String),
+    /// The target is renaming the task's tables for an epoch switch (MySQL/MariaDB, where a
+    /// rename cannot share a transaction with the fence): the batch is tried again after it.
+    #[error("epoch switch in progress: {0}")]
+    Switching(String),
     /// A row the target cannot take, found before it reached the database (a field that
     /// cannot be rendered for the target's engine): the batch isolates it as a dead letter.
     #[error("row refused: {}: {}", .0.class, .0.message)]
@@ -55,6 +59,7 @@ impl WorkerError {
             WorkerError::Fenced(_)
             | WorkerError::Coordinator(_)
             | WorkerError::BinaryTypes(_)
+            | WorkerError::Switching(_)
             | WorkerError::TargetRejects(_) => false,
         }
     }

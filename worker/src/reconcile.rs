@@ -40,6 +40,8 @@ pub struct Outcome {
     pub rows_read: u64,
     pub keys_repaired: u64,
     pub extra_in_target: u64,
+    /// Of the keys repaired, those the shard's watermark had passed (see [`ShardRun::missed`]).
+    pub keys_missed: u64,
 }
 
 /// Count and hash sum of one bucket on one side.
@@ -87,6 +89,7 @@ impl ShardRun {
                 rows_read: outcome.rows_read,
                 keys_repaired: outcome.keys_repaired,
                 extra_in_target: outcome.extra_in_target,
+                keys_missed: outcome.keys_missed,
                 duration_ms,
             })
             .await
@@ -312,6 +315,9 @@ impl ShardRun {
                         .ok_or_else(|| WorkerError::Data("a repaired row has no key".into()))
                 })
                 .collect::<Result<Vec<String>, WorkerError>>()?;
+            if self.missed(row, &key) {
+                outcome.keys_missed += 1;
+            }
             data.extend_from_slice(row);
             data.push(b'\t');
             push_version(&mut data, expected.get(&key).copied().flatten());
@@ -351,6 +357,30 @@ impl ShardRun {
             target_layout: false,
         };
         self.deliver(client, page).await
+    }
+
+    /// Whether a repaired source row (staged layout) is one the shard had already passed: its
+    /// cursor time lies below the committed watermark minus the overlap (append: its integer
+    /// key at or below the last one read). Such a row was missed; any other repair is a
+    /// change still in flight, which the next cycle would have brought.
+    fn missed(&self, row: &[u8], key: &[String]) -> bool {
+        if self.sql.cursor_column.is_some() {
+            let Some(watermark) = self.cursor.incremental_time() else {
+                return false;
+            };
+            let field = copy_text::raw_field(row, self.sql.columns.len() + 1)
+                .and_then(|raw| copy_text::decode_field(raw).ok().flatten())
+                .and_then(|text| text.parse::<i64>().ok());
+            let overlap = self.task.overlap_ms as i64 * 1000;
+            return field.is_some_and(|t| t < watermark - overlap);
+        }
+        let read = self
+            .cursor
+            .key_position()
+            .and_then(|k| k.first())
+            .and_then(|k| k.value.parse::<i64>().ok());
+        let key = key.first().and_then(|k| k.parse::<i64>().ok());
+        matches!((key, read), (Some(key), Some(read)) if key <= read)
     }
 
     /// A tombstone in the staged layout: the key, NULL elsewhere, the version, no cursor time,

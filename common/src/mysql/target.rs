@@ -44,8 +44,9 @@ pub const CONTROL_DDL: [(&str, &str); 3] = [
     (
         "tidemark_epochs",
         "CREATE TABLE IF NOT EXISTS tidemark_epochs (
-            task   VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin PRIMARY KEY,
-            epoch  BIGINT NOT NULL
+            task      VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin PRIMARY KEY,
+            epoch     BIGINT NOT NULL,
+            swapping  BIGINT NULL
         ) ENGINE = InnoDB",
     ),
     (
@@ -72,14 +73,23 @@ pub const CONTROL_DDL: [(&str, &str); 3] = [
     ),
 ];
 
-/// The task's epoch in the target, read under a shared row lock: `tasks reinit` raises it
-/// under an exclusive one, so no batch of the old epoch commits after the raise.
-pub const TARGET_EPOCH: &str = "SELECT epoch FROM tidemark_epochs WHERE task = ? LOCK IN SHARE MODE";
+/// The task's live epoch in the target and the epoch a swap is making live (see
+/// [`SWAP_BEGIN`]), read under a shared row lock: a swap marks the row under an exclusive
+/// one, so no batch is between this read and its commit when the tables are renamed.
+pub const TARGET_EPOCH: &str = "SELECT epoch, swapping FROM tidemark_epochs WHERE task = ? LOCK IN SHARE MODE";
+/// `tidemark_epochs` of a target that predates swaps has no `swapping` column.
+pub const HAS_SWAPPING: &str = "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = DATABASE() \
+     AND table_name = 'tidemark_epochs' AND column_name = 'swapping'";
+pub const ADD_SWAPPING: &str = "ALTER TABLE tidemark_epochs ADD COLUMN swapping BIGINT NULL";
+/// A swap's first step (`?` epoch, `?` task), committed alone: MySQL's RENAME TABLE commits
+/// implicitly, so the row lock cannot span it. Every batch that reads the mark refuses
+/// itself until the swap ends ([`SWAP_END`]).
+pub const SWAP_BEGIN: &str = "UPDATE tidemark_epochs SET swapping = ? WHERE task = ?";
+/// A swap's last step (`?` epoch, `?` task), after the RENAME.
+pub const SWAP_END: &str = "UPDATE tidemark_epochs SET epoch = ?, swapping = NULL WHERE task = ?";
 pub const TARGET_EPOCH_NOW: &str = "SELECT epoch FROM tidemark_epochs WHERE task = ?";
 /// Records the task's epoch when it has none (so every batch has a row to lock).
 pub const SEED_TARGET_EPOCH: &str = "INSERT IGNORE INTO tidemark_epochs (task, epoch) VALUES (?, ?)";
-pub const RAISE_TARGET_EPOCH: &str = "INSERT INTO tidemark_epochs (task, epoch) VALUES (?, ?) \
-     ON DUPLICATE KEY UPDATE epoch = GREATEST(epoch, VALUES(epoch))";
 pub const LEDGER_HAS: &str = "SELECT 1 FROM tidemark_ledger WHERE batch_id = ?";
 pub const LEDGER_ROW: &str = "SELECT row_count, content_hash FROM tidemark_ledger WHERE batch_id = ?";
 pub const LEDGER_INSERT: &str = "INSERT IGNORE INTO tidemark_ledger \

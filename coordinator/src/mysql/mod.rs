@@ -123,19 +123,21 @@ impl TargetSide for MySql {
         target::prepare(config, sql, not_null, epoch).await
     }
 
-    async fn reinit(
+    async fn build_epoch(
         &self,
         config: &TaskConfig,
         sql: &TableSql,
         not_null: &[bool],
-        epoch: u64,
-        alter_target: bool,
-    ) -> Result<(Vec<String>, Vec<String>), CoordinatorError> {
-        // A MySQL target's differences are changed or refused, none left.
-        Ok((
-            target::reinit(config, sql, not_null, epoch, alter_target).await?,
-            Vec::new(),
-        ))
+    ) -> Result<Vec<String>, CoordinatorError> {
+        target::build_epoch(config, sql, not_null).await
+    }
+
+    async fn swap_epoch(&self, config: &TaskConfig, to: u64) -> Result<bool, CoordinatorError> {
+        target::swap_epoch(config, to).await
+    }
+
+    async fn drop_epoch_table(&self, config: &TaskConfig, epoch: u64) -> Result<(), CoordinatorError> {
+        target::drop_epoch_table(config, epoch).await
     }
 
     async fn add_columns(

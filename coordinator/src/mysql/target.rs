@@ -6,7 +6,7 @@ use sqlx::mysql::MySqlPool;
 use tidemark_common::config::TaskConfig;
 use tidemark_common::mysql::target::{self as sql, AccumulateMySql};
 use tidemark_common::mysql::{self, types};
-use tidemark_common::pg::{TableSql, VERSION_COLUMN};
+use tidemark_common::pg::{TableName, TableSql, VERSION_COLUMN};
 
 use crate::error::CoordinatorError;
 
@@ -76,6 +76,16 @@ async fn ensure(
             .execute(target)
             .await
             .map_err(|e| setup(format!("creating {name} in the target: {e}")))?;
+    }
+    let swaps: i64 = sqlx::query_scalar(sql::HAS_SWAPPING)
+        .fetch_one(target)
+        .await
+        .map_err(|e| setup(format!("target: {e}")))?;
+    if swaps == 0 {
+        sqlx::query(sql::ADD_SWAPPING)
+            .execute(target)
+            .await
+            .map_err(|e| setup(format!("adding the swap mark to tidemark_epochs in the target: {e}")))?;
     }
     let version: String = sqlx::query_scalar("SELECT VERSION()")
         .fetch_one(target)
@@ -183,96 +193,200 @@ async fn create(target: &MySqlPool, task: &str, table: &TableSql, ddl: String) -
     Ok(())
 }
 
-/// `tasks reinit` on a MySQL target: a source column the table lacks is added with
-/// `alter_target` (nullable, in its mapped type: the new epoch's snapshot fills it), else
-/// refused by name; a column of another type is kept as it is (values it cannot hold become
-/// dead letters). Then the task's epoch is raised under the row's exclusive lock, so no batch
-/// of the old epoch commits after it; an accumulate task's totals and dead letters are
-/// emptied in the same transaction. Returns the statements that altered the table.
-pub async fn reinit(
+/// `tasks reinit`: epoch `epoch`'s table beside the live one (`table.target` names it),
+/// created afresh with the source's columns in their mapped types (or the summary's), with the
+/// live table's secondary indexes as they are now. Returns the statements run.
+pub async fn build_epoch(
     config: &TaskConfig,
     table: &TableSql,
     not_null: &[bool],
-    epoch: u64,
-    alter_target: bool,
 ) -> Result<Vec<String>, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    let failed =
-        |e: sqlx::Error| CoordinatorError::task_setup(task, format!("raising epoch {epoch} in the target: {e}"));
+    let live = TableName::parse(&config.target_table).map_err(&setup)?;
     let target = pool(config)?;
     let result = async {
-        let mut changes = Vec::new();
-        let existing = types::columns(&target, &table.target.schema, &table.target.name)
+        // A table of this name is a leftover of a reinit that failed before its epoch was
+        // recorded: nothing reads it.
+        let drop = format!("DROP TABLE IF EXISTS {}", sql::quoted_table(&table.target));
+        sqlx::query(sqlx::AssertSqlSafe(drop.clone()))
+            .execute(&target)
             .await
-            .map_err(|e| setup(format!("target table {}: {e}", table.target)))?;
-        if let Some(existing) = existing
-            && config.accumulate_spec().map_err(&setup)?.is_none()
-        {
-            let missing: Vec<&tidemark_common::pg::Column> = table
-                .columns
-                .iter()
-                .filter(|c| !existing.iter().any(|e| e.name == c.name))
-                .collect();
-            if !missing.is_empty() && !alter_target {
-                let names: Vec<&str> = missing.iter().map(|c| c.name.as_str()).collect();
-                return Err(setup(format!(
-                    "target table {} has no column {}; add the columns, or run `tidemark-coordinator tasks reinit \
-                     {task} --alter-target`",
-                    table.target,
-                    names.join(", ")
-                )));
-            }
-            for column in missing {
-                let statement = format!(
-                    "ALTER TABLE {} ADD COLUMN {} {}",
-                    sql::quoted_table(&table.target),
-                    mysql::quote_ident(&column.name),
-                    sql::column_type(&column.sql_type, false)
-                );
-                sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
-                    .execute(&target)
-                    .await
-                    .map_err(|e| setup(format!("{statement}: {e}")))?;
-                tracing::warn!(task, %statement, "target table altered to the source's columns");
-                changes.push(statement);
-            }
-        }
+            .map_err(|e| setup(format!("{drop}: {e}")))?;
         ensure(&target, config, table, not_null).await?;
-        let mut tx = target.begin().await.map_err(failed)?;
-        sqlx::query("SELECT epoch FROM tidemark_epochs WHERE task = ? FOR UPDATE")
-            .bind(task)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(failed)?;
-        sqlx::query(sql::RAISE_TARGET_EPOCH)
-            .bind(task)
-            .bind(epoch as i64)
-            .execute(&mut *tx)
-            .await
-            .map_err(failed)?;
-        if let Some(spec) = config
-            .accumulate_spec()
-            .map_err(|e| CoordinatorError::task_setup(task, e))?
-        {
-            let summary = AccumulateMySql { table, spec: &spec };
-            sqlx::query(sqlx::AssertSqlSafe(summary.reset_totals()))
-                .execute(&mut *tx)
+        let mut statements = vec![format!("CREATE TABLE {}", sql::quoted_table(&table.target))];
+        let rows: Vec<(String, bool, String)> = sqlx::query_as(
+            "SELECT CAST(index_name AS CHAR), non_unique = 0, \
+             CAST(GROUP_CONCAT(CONCAT('`', REPLACE(column_name, '`', '``'), '`', \
+                  IF(sub_part IS NULL, '', CONCAT('(', sub_part, ')'))) ORDER BY seq_in_index SEPARATOR ', ') AS CHAR) \
+             FROM information_schema.statistics WHERE table_schema = ? AND table_name = ? AND index_name <> 'PRIMARY' \
+             GROUP BY index_name, non_unique ORDER BY index_name",
+        )
+        .bind(&live.schema)
+        .bind(&live.name)
+        .fetch_all(&target)
+        .await
+        .map_err(|e| setup(format!("reading the indexes of {live}: {e}")))?;
+        for (name, unique, columns) in rows {
+            let statement = format!(
+                "ALTER TABLE {} ADD {}INDEX {} ({columns})",
+                sql::quoted_table(&table.target),
+                if unique { "UNIQUE " } else { "" },
+                mysql::quote_ident(&name)
+            );
+            // An index on a column the new epoch no longer has is left behind, said so.
+            match sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+                .execute(&target)
                 .await
-                .map_err(failed)?;
-            sqlx::query("DELETE FROM tidemark_dead_letters WHERE task = ?")
-                .bind(task)
-                .execute(&mut *tx)
-                .await
-                .map_err(failed)?;
-            tracing::warn!(task, epoch, table = %table.target, "accumulate totals reset for the new epoch");
+            {
+                Ok(_) => statements.push(statement),
+                Err(error) => tracing::warn!(task, index = %name, %error, "index of the live table not carried over"),
+            }
         }
-        tx.commit().await.map_err(failed)?;
-        Ok(changes)
+        Ok(statements)
     }
     .await;
     target.close().await;
     result
+}
+
+/// Makes epoch `to`'s table the task's live table. MySQL's RENAME TABLE commits implicitly, so
+/// the fence row cannot stay locked across it; instead a first transaction marks the row
+/// (`swapping`) under its exclusive lock, which waits for every batch holding it shared; from
+/// then on each batch refuses itself. One RENAME TABLE swaps both names atomically (readers
+/// see one table or the other), then the fence moves to `to` and the mark is cleared. A swap
+/// cut short is finished by the next call: the rename is done unless `to`'s table still has
+/// its epoch name. False when the fence already held `to`.
+pub async fn swap_epoch(config: &TaskConfig, to: u64) -> Result<bool, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let live = TableName::parse(&config.target_table).map_err(&setup)?;
+    let target = pool(config)?;
+    let failed = |e: sqlx::Error| setup(format!("switching {live} to epoch {to}: {e}"));
+    let result = async {
+        let mut tx = target.begin().await.map_err(failed)?;
+        let row: Option<(i64, Option<i64>)> =
+            sqlx::query_as("SELECT epoch, swapping FROM tidemark_epochs WHERE task = ? FOR UPDATE")
+                .bind(task)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(failed)?;
+        let (from, swapping) = row.ok_or_else(|| setup(format!("the target has no epoch for task {task}")))?;
+        let from = from as u64;
+        match swapping {
+            None if from == to => {
+                tx.rollback().await.map_err(failed)?;
+                return Ok(false);
+            }
+            Some(other) if other as u64 != to => {
+                return Err(setup(format!(
+                    "the target is switching task {task} to epoch {other}, not {to}: `tidemark-coordinator \
+                     status` shows which epoch the control database makes live"
+                )));
+            }
+            _ => {}
+        }
+        sqlx::query(sql::SWAP_BEGIN)
+            .bind(to as i64)
+            .bind(task)
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        tx.commit().await.map_err(failed)?;
+        let incoming = live.epoch_table(to);
+        let outgoing = live.epoch_table(from);
+        let exists = |table: TableName| {
+            let target = &target;
+            async move {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = ?",
+                )
+                .bind(&table.schema)
+                .bind(&table.name)
+                .fetch_one(target)
+                .await
+                .map(|n| n > 0)
+            }
+        };
+        if exists(incoming.clone()).await.map_err(failed)? {
+            let rename = format!(
+                "RENAME TABLE {} TO {}, {} TO {}",
+                sql::quoted_table(&live),
+                sql::quoted_table(&outgoing),
+                sql::quoted_table(&incoming),
+                sql::quoted_table(&live)
+            );
+            sqlx::query(sqlx::AssertSqlSafe(rename))
+                .execute(&target)
+                .await
+                .map_err(failed)?;
+            // Privileges are granted by name in MySQL: they stay with the live name. The
+            // table's comment is the table's own: carried over.
+            let comment: Option<String> = sqlx::query_scalar(
+                "SELECT CAST(table_comment AS CHAR) FROM information_schema.tables WHERE table_schema = ? \
+                 AND table_name = ?",
+            )
+            .bind(&outgoing.schema)
+            .bind(&outgoing.name)
+            .fetch_optional(&target)
+            .await
+            .map_err(failed)?;
+            if let Some(comment) = comment.filter(|c| !c.is_empty()) {
+                let statement = format!(
+                    "ALTER TABLE {} COMMENT = {}",
+                    sql::quoted_table(&live),
+                    mysql::quote_literal(&comment)
+                );
+                sqlx::query(sqlx::AssertSqlSafe(statement))
+                    .execute(&target)
+                    .await
+                    .map_err(failed)?;
+            }
+        } else if !exists(outgoing.clone()).await.map_err(failed)? {
+            return Err(setup(format!(
+                "epoch {to}'s table {incoming} is missing in the target: it cannot become {live}"
+            )));
+        }
+        if to > from && config.accumulate_spec().map_err(&setup)?.is_some() {
+            // The new epoch counted every row itself: an older epoch's letter retried into its
+            // totals would count twice.
+            sqlx::query(
+                "DELETE FROM tidemark_dead_letters WHERE task = ? AND batch_id IN \
+                 (SELECT batch_id FROM tidemark_ledger WHERE task = ? AND epoch < ?)",
+            )
+            .bind(task)
+            .bind(task)
+            .bind(to as i64)
+            .execute(&target)
+            .await
+            .map_err(failed)?;
+        }
+        sqlx::query(sql::SWAP_END)
+            .bind(to as i64)
+            .bind(task)
+            .execute(&target)
+            .await
+            .map_err(failed)?;
+        Ok(true)
+    }
+    .await;
+    target.close().await;
+    result
+}
+
+/// Drops a retained or abandoned epoch's table.
+pub async fn drop_epoch_table(config: &TaskConfig, epoch: u64) -> Result<(), CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let table = TableName::parse(&config.target_table)
+        .map_err(&setup)?
+        .epoch_table(epoch);
+    let target = pool(config)?;
+    let drop = format!("DROP TABLE IF EXISTS {}", sql::quoted_table(&table));
+    let result = sqlx::query(sqlx::AssertSqlSafe(drop.clone())).execute(&target).await;
+    target.close().await;
+    result.map_err(|e| setup(format!("{drop}: {e}")))?;
+    Ok(())
 }
 
 /// Dead letters per status on a MySQL target.

@@ -115,20 +115,26 @@ impl TargetSide for Postgres {
         config: &TaskConfig,
         sql: &TableSql,
         not_null: &[bool],
-        _epoch: u64,
+        epoch: u64,
     ) -> Result<Option<u64>, CoordinatorError> {
-        target::prepare(config, sql, not_null).await
+        target::prepare(config, sql, not_null, epoch).await
     }
 
-    async fn reinit(
+    async fn build_epoch(
         &self,
         config: &TaskConfig,
         sql: &TableSql,
         not_null: &[bool],
-        epoch: u64,
-        alter_target: bool,
-    ) -> Result<(Vec<String>, Vec<String>), CoordinatorError> {
-        target::reinit(config, sql, not_null, epoch, alter_target).await
+    ) -> Result<Vec<String>, CoordinatorError> {
+        target::build_epoch(config, sql, not_null).await
+    }
+
+    async fn swap_epoch(&self, config: &TaskConfig, to: u64) -> Result<bool, CoordinatorError> {
+        target::swap_epoch(config, to).await
+    }
+
+    async fn drop_epoch_table(&self, config: &TaskConfig, epoch: u64) -> Result<(), CoordinatorError> {
+        target::drop_epoch_table(config, epoch).await
     }
 
     async fn add_columns(

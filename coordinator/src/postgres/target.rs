@@ -50,54 +50,6 @@ pub(crate) async fn ensure_summary_table(
     Ok(())
 }
 
-/// Raises the task's epoch in the target, before the control database switches to it: from
-/// then on every batch of an older epoch is refused in the target (see `pg::TARGET_EPOCH`).
-/// An accumulate task's totals are emptied in the same transaction, with its dead letters:
-/// the new epoch counts every row again, so totals never double. (Readers see the totals
-/// rebuilt from zero; building beside the live table is issue 17's epoch switch.)
-pub(crate) async fn fence_target_epoch(
-    target: &PgPool,
-    config: &TaskConfig,
-    sql: &TableSql,
-    epoch: u64,
-) -> Result<(), CoordinatorError> {
-    let task = config.name.as_str();
-    let failed =
-        |e: sqlx::Error| CoordinatorError::task_setup(task, format!("raising epoch {epoch} in the target: {e}"));
-    let mut tx = target.begin().await.map_err(failed)?;
-    sqlx::query(pg::LOCK_TARGET_EPOCH)
-        .bind(task)
-        .execute(&mut *tx)
-        .await
-        .map_err(failed)?;
-    sqlx::query(pg::RAISE_TARGET_EPOCH)
-        .bind(task)
-        .bind(epoch as i64)
-        .execute(&mut *tx)
-        .await
-        .map_err(failed)?;
-    if let Some(spec) = config
-        .accumulate_spec()
-        .map_err(|e| CoordinatorError::task_setup(task, e))?
-    {
-        let summary = pg::accumulate::AccumulateSql {
-            table: sql,
-            spec: &spec,
-        };
-        sqlx::query(sqlx::AssertSqlSafe(summary.reset_totals()))
-            .execute(&mut *tx)
-            .await
-            .map_err(failed)?;
-        sqlx::query(tidemark_common::dead_letters::DELETE_TASK_LETTERS)
-            .bind(task)
-            .execute(&mut *tx)
-            .await
-            .map_err(failed)?;
-        tracing::warn!(task, epoch, table = %sql.target, "accumulate totals reset for the new epoch");
-    }
-    tx.commit().await.map_err(failed)
-}
-
 /// Creates the target table and the ledger when missing; an existing target table must carry
 /// the version column and every source column.
 pub(crate) async fn ensure_target(
@@ -165,6 +117,7 @@ pub(crate) async fn prepare(
     config: &TaskConfig,
     sql: &TableSql,
     not_null: &[bool],
+    epoch: u64,
 ) -> Result<Option<u64>, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
@@ -175,6 +128,15 @@ pub(crate) async fn prepare(
         .fetch_optional(&target)
         .await
         .map_err(|e| setup(format!("reading the task's epoch in the target: {e}")))?;
+    if target_epoch.is_none() {
+        // The live epoch's fence: a newer epoch's batches go to its own table from now on.
+        sqlx::query("INSERT INTO tidemark_epochs (task, epoch) VALUES ($1, $2) ON CONFLICT (task) DO NOTHING")
+            .bind(task)
+            .bind(epoch as i64)
+            .execute(&target)
+            .await
+            .map_err(|e| setup(format!("recording the task's epoch in the target: {e}")))?;
+    }
     target.close().await;
     Ok(target_epoch.map(|e| e as u64))
 }
@@ -189,57 +151,224 @@ pub(crate) fn lazy_pool(config: &TaskConfig) -> Result<PgPool, CoordinatorError>
         .connect_lazy_with(options))
 }
 
-/// `tasks reinit` on the target: checks it against the source's columns (with
-/// `alter_target`, first changes it to hold them), then raises the epoch fence. Returns the
-/// statements applied and the differences left.
-pub(crate) async fn reinit(
+/// `tasks reinit`: epoch `epoch`'s table beside the live one (`sql.target` names it), created
+/// afresh with the source's columns (or the summary's), the task's tombstones and the live
+/// table's secondary indexes as they are now. Returns the statements run.
+pub(crate) async fn build_epoch(
     config: &TaskConfig,
     sql: &TableSql,
     not_null: &[bool],
-    epoch: u64,
-    alter_target: bool,
-) -> Result<(Vec<String>, Vec<String>), CoordinatorError> {
+) -> Result<Vec<String>, CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
-    let mut applied = Vec::new();
-    let mut differences = Vec::new();
+    let live = tidemark_common::pg::TableName::parse(&config.target_table).map_err(&setup)?;
     let target = connect_database(task, "target", &config.target).await?;
-    // An accumulate task's target is its summary table, not a copy of the source's columns.
-    if config.accumulate_spec().map_err(&setup)?.is_none()
-        && let Some(existing) = introspect(&target, task, "target", &sql.target).await?
-    {
-        let existing: Vec<pg::Column> = existing.into_iter().map(|c| c.column).collect();
-        let changes = crate::planner::target_changes(&sql.target, &sql.columns, &existing);
-        if alter_target && !changes.is_empty() {
-            let altering = |e: sqlx::Error| setup(format!("altering target table {}: {e}", sql.target));
-            let mut tx = target.begin().await.map_err(altering)?;
-            for change in &changes {
-                sqlx::query(sqlx::AssertSqlSafe(change.statement.clone()))
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| setup(format!("{}: {e}", change.statement)))?;
+    let result = async {
+        // A table of this name is a leftover of a reinit that failed before its epoch was
+        // recorded: nothing reads it.
+        let drop = format!("DROP TABLE IF EXISTS {}", sql.target.quoted());
+        sqlx::query(sqlx::AssertSqlSafe(drop.clone()))
+            .execute(&target)
+            .await
+            .map_err(|e| setup(format!("{drop}: {e}")))?;
+        ensure_target(&target, config, sql, not_null).await?;
+        let mut statements = vec![format!("CREATE TABLE {}", sql.target.quoted())];
+        let definitions: Vec<String> = sqlx::query_scalar(
+            "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid \
+             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = $2 \
+             AND NOT i.indisprimary ORDER BY i.indexrelid",
+        )
+        .bind(&live.schema)
+        .bind(&live.name)
+        .fetch_all(&target)
+        .await
+        .map_err(|e| setup(format!("reading the indexes of {live}: {e}")))?;
+        for definition in definitions {
+            let Some(statement) = index_on(&definition, &sql.target) else {
+                continue;
+            };
+            // An index on a column the new epoch no longer has is left behind, said so.
+            match sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+                .execute(&target)
+                .await
+            {
+                Ok(_) => statements.push(statement),
+                Err(error) => tracing::warn!(task, %definition, %error, "index of the live table not carried over"),
             }
-            tx.commit().await.map_err(altering)?;
-            tracing::warn!(task, table = %sql.target, changes = changes.len(), "target table altered to the source's columns");
-            applied = changes.into_iter().map(|c| c.statement).collect();
-        } else {
-            let missing: Vec<&str> = changes
-                .iter()
-                .filter(|c| c.statement.contains(" ADD COLUMN "))
-                .map(|c| c.difference.as_str())
-                .collect();
-            if !missing.is_empty() {
-                return Err(setup(format!(
-                    "target table {}: {}; add the columns, or run `tidemark-coordinator tasks reinit {task} --alter-target`",
-                    sql.target,
-                    missing.join("; ")
-                )));
-            }
-            differences = changes.into_iter().map(|c| c.difference).collect();
         }
+        Ok(statements)
     }
-    ensure_target(&target, config, sql, not_null).await?;
-    fence_target_epoch(&target, config, sql, epoch).await?;
+    .await;
     target.close().await;
-    Ok((applied, differences))
+    result
+}
+
+/// `CREATE [UNIQUE] INDEX name ON [ONLY] table USING …` (as `pg_get_indexdef` prints it) as
+/// the same index, unnamed (PostgreSQL names it after the table), on `table`.
+fn index_on(definition: &str, table: &tidemark_common::pg::TableName) -> Option<String> {
+    let head = if definition.starts_with("CREATE UNIQUE INDEX ") {
+        "CREATE UNIQUE INDEX"
+    } else if definition.starts_with("CREATE INDEX ") {
+        "CREATE INDEX"
+    } else {
+        return None;
+    };
+    let using = definition.find(" USING ")?;
+    Some(format!("{head} ON {}{}", table.quoted(), &definition[using..]))
+}
+
+/// Makes epoch `to`'s table the task's live table in one transaction, under the task's epoch
+/// lock (which every batch holds shared, so no batch of either epoch is between its fence check
+/// and its commit): the live table takes its epoch's name beside (retained), `to`'s table takes
+/// the live name with the privileges and comments the outgoing table carried, and the fence
+/// moves to `to`. Readers see one table or the other, never neither. False when the fence
+/// already held `to` (a swap finished before a restart).
+pub(crate) async fn swap_epoch(config: &TaskConfig, to: u64) -> Result<bool, CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let live = tidemark_common::pg::TableName::parse(&config.target_table).map_err(&setup)?;
+    let target = connect_database(task, "target", &config.target).await?;
+    let failed = |e: sqlx::Error| setup(format!("switching {live} to epoch {to}: {e}"));
+    let result = async {
+        let mut tx = target.begin().await.map_err(failed)?;
+        sqlx::query(pg::LOCK_TARGET_EPOCH)
+            .bind(task)
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        let from: Option<i64> = sqlx::query_scalar(pg::TARGET_EPOCH_NOW)
+            .bind(task)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(failed)?;
+        let from = from.ok_or_else(|| setup(format!("the target has no epoch for task {task}")))? as u64;
+        if from == to {
+            return Ok(false);
+        }
+        let incoming = live.epoch_table(to);
+        let outgoing = live.epoch_table(from);
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(incoming.quoted())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(failed)?;
+        if !exists {
+            return Err(setup(format!(
+                "epoch {to}'s table {incoming} is missing in the target: it cannot become {live}"
+            )));
+        }
+        let statements = [
+            format!(
+                "ALTER TABLE {} RENAME TO {}",
+                live.quoted(),
+                pg::quote_ident(&outgoing.name)
+            ),
+            format!(
+                "ALTER TABLE {} RENAME TO {}",
+                incoming.quoted(),
+                pg::quote_ident(&live.name)
+            ),
+        ];
+        for statement in statements {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(&mut *tx)
+                .await
+                .map_err(failed)?;
+        }
+        // What readers and writers were granted on the live table, and its comments, stay
+        // with the live name (PostgreSQL keeps them with the renamed table).
+        let carried: Vec<String> = sqlx::query_scalar(CARRY_OVER)
+            .bind(outgoing.quoted())
+            .bind(live.quoted())
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(failed)?;
+        for statement in carried {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(&mut *tx)
+                .await
+                .map_err(failed)?;
+        }
+        sqlx::query("UPDATE tidemark_epochs SET epoch = $2 WHERE task = $1")
+            .bind(task)
+            .bind(to as i64)
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        if to > from && config.accumulate_spec().map_err(&setup)?.is_some() {
+            // The new epoch counted every row itself: an older epoch's letter retried into its
+            // totals would count twice.
+            sqlx::query(
+                "DELETE FROM tidemark_dead_letters WHERE task = $1 AND batch_id IN \
+                 (SELECT batch_id FROM tidemark_ledger WHERE task = $1 AND epoch < $2)",
+            )
+            .bind(task)
+            .bind(to as i64)
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        }
+        tx.commit().await.map_err(failed)?;
+        Ok(true)
+    }
+    .await;
+    target.close().await;
+    result
+}
+
+/// The statements that give the table `$2` the table privileges (but its owner's) and the
+/// table and column comments that `$1` carries.
+const CARRY_OVER: &str = "\
+    SELECT format('GRANT %s ON %s TO %s', a.privilege_type, $2, \
+                  CASE a.grantee WHEN 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END) \
+    FROM pg_class c, aclexplode(c.relacl) a WHERE c.oid = $1::regclass AND a.grantee <> c.relowner \
+    UNION ALL \
+    SELECT format('COMMENT ON TABLE %s IS %L', $2, d.description) \
+    FROM pg_description d WHERE d.objoid = $1::regclass AND d.classoid = 'pg_class'::regclass AND d.objsubid = 0 \
+    UNION ALL \
+    SELECT format('COMMENT ON COLUMN %s.%I IS %L', $2, a.attname, d.description) \
+    FROM pg_description d JOIN pg_attribute a ON a.attrelid = d.objoid AND a.attnum = d.objsubid \
+    JOIN pg_attribute n ON n.attrelid = $2::regclass AND n.attname = a.attname AND NOT n.attisdropped \
+    WHERE d.objoid = $1::regclass AND d.classoid = 'pg_class'::regclass AND d.objsubid > 0";
+
+/// Drops a retained or abandoned epoch's table.
+pub(crate) async fn drop_epoch_table(config: &TaskConfig, epoch: u64) -> Result<(), CoordinatorError> {
+    let task = config.name.as_str();
+    let setup = |message: String| CoordinatorError::task_setup(task, message);
+    let table = tidemark_common::pg::TableName::parse(&config.target_table)
+        .map_err(&setup)?
+        .epoch_table(epoch);
+    let target = connect_database(task, "target", &config.target).await?;
+    let drop = format!("DROP TABLE IF EXISTS {}", table.quoted());
+    let result = sqlx::query(sqlx::AssertSqlSafe(drop.clone())).execute(&target).await;
+    target.close().await;
+    result.map_err(|e| setup(format!("{drop}: {e}")))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_live_index_is_recreated_unnamed_on_the_epoch_table() {
+        let table = tidemark_common::pg::TableName::parse("app.items__tm_e2").unwrap();
+        assert_eq!(
+            index_on(
+                "CREATE UNIQUE INDEX items_name_key ON app.items USING btree (name)",
+                &table
+            )
+            .as_deref(),
+            Some("CREATE UNIQUE INDEX ON \"app\".\"items__tm_e2\" USING btree (name)")
+        );
+        assert_eq!(
+            index_on(
+                "CREATE INDEX \"odd ON name\" ON ONLY app.items USING btree (qty) WHERE (qty > 0)",
+                &table
+            )
+            .as_deref(),
+            Some("CREATE INDEX ON \"app\".\"items__tm_e2\" USING btree (qty) WHERE (qty > 0)")
+        );
+        assert_eq!(index_on("CREATE TABLE x", &table), None);
+    }
 }

@@ -72,10 +72,18 @@ impl TargetTx for MySqlTx {
         manifest: &Manifest,
     ) -> Result<Option<(MySqlTx, Option<u64>)>, WorkerError> {
         let mut tx = target.begin().await?;
-        let current: Option<i64> = sqlx::query_scalar(sql::TARGET_EPOCH)
+        let row: Option<(i64, Option<i64>)> = sqlx::query_as(sql::TARGET_EPOCH)
             .bind(&manifest.task)
             .fetch_optional(&mut *tx)
             .await?;
+        if let Some((_, Some(to))) = row {
+            tx.rollback().await?;
+            return Err(WorkerError::Switching(format!(
+                "task {} is switching to epoch {to} in the target; batch {} waits for it",
+                manifest.task, manifest.batch_id
+            )));
+        }
+        let current = row.map(|(epoch, _)| epoch);
         if let Some(current) = current
             && current as u64 > manifest.epoch
         {
