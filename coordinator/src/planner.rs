@@ -352,8 +352,12 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
     let target_epoch = engines::target_side(config)?
         .prepare(config, &sql, &not_null, epoch.epoch)
         .await?;
+    // A switch the target finished before a restart, not yet followed here (the lifecycle
+    // finishes it; see `epochs`).
+    let swapping = control.lifecycle(task).await?.and_then(|l| l.swap_to);
     if let Some(target_epoch) = target_epoch
         && target_epoch > epoch.epoch
+        && swapping != Some(target_epoch)
     {
         return Err(setup(format!(
             "the target holds epoch {target_epoch} of this task, ahead of the control database's epoch {} (a new or \

@@ -769,12 +769,36 @@ async fn pg_items_into_mariadb(cluster: &mut Cluster, target: &MariaDb, writer: 
 /// table beside the live one with the column in its mapped type (the README's grants: ALTER
 /// and DROP for the table beside and the rename), is validated, and one RENAME TABLE makes it
 /// live; every key carries the new column's value and version, and epoch 1's table is
-/// retained beside.
+/// retained beside. A reader querying the table in a loop meanwhile sees every key in every
+/// read, never an error or an empty table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reinit_builds_a_new_source_column_beside_in_a_mariadb_target() {
     let (target, writer) = writer_target("mi_dst").await;
     let mut cluster = Cluster::new("mi_sync").await;
     pg_items_into_mariadb(&mut cluster, &target, &writer, 2000, "").await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let url = target.url.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let pool = sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(1)
+                .connect(&url)
+                .await
+                .unwrap();
+            let mut reads = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let read: (i64, i64) =
+                    sqlx::query_as("SELECT CAST(COUNT(*) AS SIGNED), CAST(COALESCE(SUM(id), 0) AS SIGNED) FROM items")
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap();
+                reads.push(read);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            reads
+        })
+    };
     cluster
         .source
         .exec(
@@ -806,6 +830,13 @@ async fn reinit_builds_a_new_source_column_beside_in_a_mariadb_target() {
     if let Some(diff) = differences(&expected, &actual) {
         panic!("after reinit: {diff}");
     }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reads = reader.await.unwrap();
+    assert!(reads.len() > 20, "the reader ran ({} reads)", reads.len());
+    assert!(
+        reads.iter().all(|read| *read == (2000, 2000 * 2001 / 2)),
+        "every key in every read"
+    );
     let retained: Vec<String> = sqlx::query_scalar(
         "SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = ? \
          AND table_name = 'items__tm_e1' ORDER BY ordinal_position",
