@@ -115,8 +115,8 @@ pub fn derive(task: &TaskConfig) -> Contract {
             .to_string(),
         retention,
         reinitialization: format!(
-            "`tidemark-coordinator tasks reinit {}`: a new epoch snapshots the table again, then a full \
-             reconciliation removes keys deleted meanwhile",
+            "`tidemark-coordinator tasks reinit {}`: a new epoch is built beside the live table from a fresh \
+             snapshot, validated, and switched in one transaction",
             task.name
         ),
     }

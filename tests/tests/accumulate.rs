@@ -472,8 +472,9 @@ async fn a_low_id_committing_after_higher_ones_is_counted_once() {
     diff.assert_clean("append mode: every key once, the late one included");
 }
 
-/// S26: `tasks reinit` of an accumulate task counts every event again from zero: totals stay
-/// exact, never doubled.
+/// S26: `tasks reinit` of an accumulate task builds a new summary table beside the live one,
+/// counting every event once from zero: the live totals stay exact while it builds (never
+/// emptied, never doubled), and exact after the switch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reinit_of_an_accumulate_task_keeps_the_totals_exact() {
     let mut cluster = Cluster::new("accreinit").await;
@@ -493,6 +494,8 @@ async fn reinit_of_an_accumulate_task_keeps_the_totals_exact() {
     assert_exact(&cluster, "epoch 1").await;
     let reinit = cluster.cli_json(&["tasks", "reinit", "items"]);
     assert_eq!(reinit["epoch"], 2, "{reinit}");
+    assert_eq!(cluster.task_status().await.epoch, 1);
+    assert_exact(&cluster, "while epoch 2 builds beside").await;
     insert_events(&cluster.source, 20_001, 21_000, false).await;
     let rows = type5_rows(&cluster.source).await;
     cluster

@@ -192,7 +192,8 @@ async fn a_reader_sees_one_whole_table_through_a_reinit() {
 /// A validation that finds a row the new epoch missed blocks the switch and says why: the
 /// new table is changed by hand between its snapshot and its validation (a test gate holds
 /// the validation back). The row is repaired, the live table stays epoch 1's, and status
-/// names the cause; `tasks validate` validates again, and epoch 2 switches.
+/// names the cause; `tasks validate` validates again, and epoch 2 switches. Past its
+/// `epoch_retention` (3 s here) epoch 1's table is dropped and a rollback is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_validation_that_finds_a_missed_row_blocks_the_switch() {
     let dir = TempDir::new("ep_gate");
@@ -200,7 +201,7 @@ async fn a_validation_that_finds_a_missed_row_blocks_the_switch() {
     std::fs::write(&gate, b"").unwrap();
     let settings = TaskSettings {
         coordinator_env: vec![("TIDEMARK_TEST_VALIDATION_GATE", gate.display().to_string())],
-        ..settings("")
+        ..settings("epoch_retention = \"3s\"")
     };
     let cluster = syncing("ep_block", ROWS, settings).await;
     let old = table_oid(&cluster, "items").await.unwrap();
@@ -249,6 +250,14 @@ async fn a_validation_that_finds_a_missed_row_blocks_the_switch() {
     );
     converged(&cluster, 2, "after validating again").await;
     assert_ne!(table_oid(&cluster, "items").await, Some(old));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while table_oid(&cluster, "items__tm_e1").await.is_some() {
+        assert!(Instant::now() < deadline, "epoch 1's table outlived its retention");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(cluster.task_status().await.retained.is_empty());
+    let (ok, _, stderr) = cluster.cli(&["tasks", "rollback", "items", "--coordinator", &cluster.address]);
+    assert!(!ok && stderr.contains("no epoch is retained"), "{stderr}");
 }
 
 /// `switch = "manual"`: the validated epoch waits for `tasks switch`; then `tasks rollback`
