@@ -89,15 +89,22 @@ pub(crate) trait TargetSide: Sync {
         epoch: u64,
     ) -> Result<Option<u64>, CoordinatorError>;
 
-    /// `tasks reinit`: creates the new epoch's table beside the live one (`sql.target` names
-    /// it: [`TableName::epoch_table`]) with the source's columns and the live table's
-    /// secondary indexes. Returns the statements run.
+    /// `tasks reinit`: creates epoch `epoch`'s table beside the live one (`sql.target` names
+    /// it: [`TableName::epoch_table`]) with the source's columns and the live table's unique
+    /// indexes. Returns the statements run, and those of the live table's other secondary
+    /// indexes, to build after the snapshot's load ([`Self::build_deferred`]).
     async fn build_epoch(
         &self,
         config: &TaskConfig,
         sql: &TableSql,
         not_null: &[bool],
-    ) -> Result<Vec<String>, CoordinatorError>;
+        epoch: u64,
+    ) -> Result<(Vec<String>, Vec<String>), CoordinatorError>;
+
+    /// Runs statements [`Self::build_epoch`] deferred (idempotent); returns the ones that
+    /// failed, with why.
+    async fn build_deferred(&self, config: &TaskConfig, statements: &[String])
+    -> Result<Vec<String>, CoordinatorError>;
 
     /// Makes epoch `to`'s table the live table (`target_table`) and the live one its epoch's
     /// table beside, and moves the fence to `to`, atomically for readers and batches (a switch

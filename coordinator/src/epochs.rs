@@ -145,7 +145,12 @@ impl ControlDb {
     /// `freeze_live`, the live epoch's shards stop (its reads broke: the pause that asked for
     /// the reinit); its table keeps serving until the switch. False when another reinit
     /// planned this epoch first.
-    pub async fn begin_building(&self, plan: &EpochPlan, freeze_live: bool) -> Result<bool, CoordinatorError> {
+    pub async fn begin_building(
+        &self,
+        plan: &EpochPlan,
+        freeze_live: bool,
+        deferred: &[String],
+    ) -> Result<bool, CoordinatorError> {
         let mut tx = self.pool().begin().await?;
         let row = sqlx::query("SELECT current_epoch, building_epoch, swap_to FROM tasks WHERE name = $1 FOR UPDATE")
             .bind(&plan.task)
@@ -169,9 +174,10 @@ impl ControlDb {
             abandon(&mut tx, &plan.task, building as u64).await?;
         }
         Self::insert_epoch(&mut tx, plan).await?;
-        sqlx::query("UPDATE epochs SET state = 'building' WHERE task = $1 AND epoch = $2")
+        sqlx::query("UPDATE epochs SET state = 'building', deferred_ddl = $3 WHERE task = $1 AND epoch = $2")
             .bind(&plan.task)
             .bind(plan.epoch as i64)
+            .bind(serde_json::json!(deferred))
             .execute(&mut *tx)
             .await?;
         sqlx::query(
@@ -244,6 +250,17 @@ impl ControlDb {
             .execute(self.pool())
             .await?;
         Ok(())
+    }
+
+    /// The statements deferred to after the epoch's snapshot (see `TargetSide::build_epoch`).
+    async fn deferred_ddl(&self, task: &str, epoch: u64) -> Result<Vec<String>, CoordinatorError> {
+        let value: serde_json::Value =
+            sqlx::query_scalar("SELECT deferred_ddl FROM epochs WHERE task = $1 AND epoch = $2")
+                .bind(task)
+                .bind(epoch as i64)
+                .fetch_one(self.pool())
+                .await?;
+        serde_json::from_value(value).map_err(|e| bad(format!("stored deferred statements: {e}")))
     }
 
     async fn mark_validated(&self, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
@@ -460,6 +477,23 @@ async fn advance(control: &ControlDb, task: &PreparedTask, building: &Building) 
         return Ok(());
     }
     let Some(done) = building.snapshot_done_micros else {
+        // The secondary indexes, now that the snapshot is loaded; the validation reads the
+        // table as readers will.
+        let deferred = control.deferred_ddl(name, epoch).await?;
+        if !deferred.is_empty() {
+            let failed = engines::target_side(&task.config)?
+                .build_deferred(&task.config, &deferred)
+                .await?;
+            for failure in &failed {
+                tracing::warn!(task = name, epoch, %failure, "index of the live table not carried over");
+            }
+            tracing::info!(
+                task = name,
+                epoch,
+                built = deferred.len() - failed.len(),
+                "secondary indexes built after the snapshot's load"
+            );
+        }
         let now = crate::planner::source_now_micros(&task.config).await?;
         control
             .set_building(name, epoch, "snapshot_done_micros = $3", Some(now))

@@ -464,10 +464,10 @@ pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<Rei
         page_format: CopyFormat::Text,
         cursor_zone: None,
     };
-    let target_changes = engines::target_side(config)?
-        .build_epoch(config, &sql, &not_null)
+    let (mut target_changes, deferred) = engines::target_side(config)?
+        .build_epoch(config, &sql, &not_null, plan.epoch)
         .await?;
-    if !control.begin_building(&plan, broken).await? {
+    if !control.begin_building(&plan, broken, &deferred).await? {
         return Err(setup(format!(
             "epoch {} already exists: another reinitialization won",
             plan.epoch
@@ -482,6 +482,7 @@ pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<Rei
         live_keeps_syncing = !broken,
         "task reinitialized: the new epoch builds beside the live table"
     );
+    target_changes.extend(deferred.into_iter().map(|d| format!("after the snapshot: {d}")));
     Ok(Reinit {
         epoch: plan.epoch,
         target_changes,

@@ -18,6 +18,9 @@ ALTER TABLE epochs ADD COLUMN validation_run bigint;
 ALTER TABLE epochs ADD COLUMN validated_at timestamptz;
 ALTER TABLE epochs ADD COLUMN blocked_reason text;
 ALTER TABLE epochs ADD COLUMN switch_requested boolean NOT NULL DEFAULT false;
+-- Building: the live table's non-unique secondary indexes, built once the snapshot is loaded
+-- (a JSON array of statements; emptied when built).
+ALTER TABLE epochs ADD COLUMN deferred_ddl jsonb NOT NULL DEFAULT '[]';
 -- When it stopped being live (a retained epoch's table is dropped `epoch_retention` later).
 ALTER TABLE epochs ADD COLUMN retired_at timestamptz;
 

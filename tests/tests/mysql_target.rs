@@ -769,13 +769,17 @@ async fn pg_items_into_mariadb(cluster: &mut Cluster, target: &MariaDb, writer: 
 /// table beside the live one with the column in its mapped type (the README's grants: ALTER
 /// and DROP for the table beside and the rename), is validated, and one RENAME TABLE makes it
 /// live; every key carries the new column's value and version, and epoch 1's table is
-/// retained beside. A reader querying the table in a loop meanwhile sees every key in every
-/// read, never an error or an empty table.
+/// retained beside; the live table's index and comment are on the new one. A reader querying
+/// the table in a loop meanwhile sees every key in every read, never an error or an empty
+/// table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reinit_builds_a_new_source_column_beside_in_a_mariadb_target() {
     let (target, writer) = writer_target("mi_dst").await;
     let mut cluster = Cluster::new("mi_sync").await;
     pg_items_into_mariadb(&mut cluster, &target, &writer, 2000, "").await;
+    target
+        .exec("CREATE INDEX items_name ON items (name(40)); ALTER TABLE items COMMENT = 'synced by tidemark'")
+        .await;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let reader = {
         let url = target.url.clone();
@@ -810,7 +814,13 @@ async fn reinit_builds_a_new_source_column_beside_in_a_mariadb_target() {
     assert_eq!(reinit["epoch"].as_u64(), Some(2), "{reinit}");
     assert_eq!(
         reinit["target_changes"],
-        serde_json::json!([format!("CREATE TABLE `{}`.`items__tm_e2`", target.name)]),
+        serde_json::json!([
+            format!("CREATE TABLE `{}`.`items__tm_e2`", target.name),
+            format!(
+                "after the snapshot: ALTER TABLE `{}`.`items__tm_e2` ADD INDEX `items_name` (`name`(40))",
+                target.name
+            )
+        ]),
         "{reinit}"
     );
     let now = cluster.source_now_micros().await;
@@ -848,6 +858,21 @@ async fn reinit_builds_a_new_source_column_beside_in_a_mariadb_target() {
     assert!(
         !retained.is_empty() && !retained.iter().any(|c| c == "color"),
         "{retained:?}"
+    );
+    let (index, comment): (i64, String) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM information_schema.statistics WHERE table_schema = ? AND table_name = 'items' \
+         AND index_name = 'items_name'), (SELECT CAST(table_comment AS CHAR) FROM information_schema.tables \
+         WHERE table_schema = ? AND table_name = 'items')",
+    )
+    .bind(&target.name)
+    .bind(&target.name)
+    .fetch_one(&target.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (index, comment.as_str()),
+        (1, "synced by tidemark"),
+        "index and comment carried over"
     );
 }
 

@@ -128,8 +128,17 @@ impl TargetSide for MySql {
         config: &TaskConfig,
         sql: &TableSql,
         not_null: &[bool],
-    ) -> Result<Vec<String>, CoordinatorError> {
+        _epoch: u64,
+    ) -> Result<(Vec<String>, Vec<String>), CoordinatorError> {
         target::build_epoch(config, sql, not_null).await
+    }
+
+    async fn build_deferred(
+        &self,
+        config: &TaskConfig,
+        statements: &[String],
+    ) -> Result<Vec<String>, CoordinatorError> {
+        target::build_deferred(config, statements).await
     }
 
     async fn swap_epoch(&self, config: &TaskConfig, to: u64) -> Result<bool, CoordinatorError> {

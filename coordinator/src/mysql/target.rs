@@ -194,13 +194,15 @@ async fn create(target: &MySqlPool, task: &str, table: &TableSql, ddl: String) -
 }
 
 /// `tasks reinit`: epoch `epoch`'s table beside the live one (`table.target` names it),
-/// created afresh with the source's columns in their mapped types (or the summary's), with the
-/// live table's secondary indexes as they are now. Returns the statements run.
+/// created afresh with the source's columns in their mapped types (or the summary's). The
+/// live table's secondary indexes as they are now are carried over: unique ones at once, the
+/// others returned to be built after the snapshot's load. Returns the statements run and
+/// those deferred.
 pub async fn build_epoch(
     config: &TaskConfig,
     table: &TableSql,
     not_null: &[bool],
-) -> Result<Vec<String>, CoordinatorError> {
+) -> Result<(Vec<String>, Vec<String>), CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
     let live = TableName::parse(&config.target_table).map_err(&setup)?;
@@ -215,6 +217,7 @@ pub async fn build_epoch(
             .map_err(|e| setup(format!("{drop}: {e}")))?;
         ensure(&target, config, table, not_null).await?;
         let mut statements = vec![format!("CREATE TABLE {}", sql::quoted_table(&table.target))];
+        let mut deferred = Vec::new();
         let rows: Vec<(String, bool, String)> = sqlx::query_as(
             "SELECT CAST(index_name AS CHAR), non_unique = 0, \
              CAST(GROUP_CONCAT(CONCAT('`', REPLACE(column_name, '`', '``'), '`', \
@@ -234,6 +237,10 @@ pub async fn build_epoch(
                 if unique { "UNIQUE " } else { "" },
                 mysql::quote_ident(&name)
             );
+            if !unique {
+                deferred.push(statement);
+                continue;
+            }
             // An index on a column the new epoch no longer has is left behind, said so.
             match sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
                 .execute(&target)
@@ -243,11 +250,34 @@ pub async fn build_epoch(
                 Err(error) => tracing::warn!(task, index = %name, %error, "index of the live table not carried over"),
             }
         }
-        Ok(statements)
+        Ok((statements, deferred))
     }
     .await;
     target.close().await;
     result
+}
+
+/// Builds the indexes deferred to after a new epoch's snapshot; one already there (a round
+/// cut short) counts as built. Returns the ones that could not be built, with why.
+pub async fn build_deferred(config: &TaskConfig, statements: &[String]) -> Result<Vec<String>, CoordinatorError> {
+    let target = pool(config)?;
+    let mut failed = Vec::new();
+    for statement in statements {
+        match sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+            .execute(&target)
+            .await
+        {
+            Ok(_) => {}
+            // ER_DUP_KEYNAME
+            Err(sqlx::Error::Database(db))
+                if db
+                    .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                    .is_some_and(|e| e.number() == 1061) => {}
+            Err(error) => failed.push(format!("{statement}: {error}")),
+        }
+    }
+    target.close().await;
+    Ok(failed)
 }
 
 /// Makes epoch `to`'s table the task's live table. MySQL's RENAME TABLE commits implicitly, so

@@ -125,8 +125,17 @@ impl TargetSide for Postgres {
         config: &TaskConfig,
         sql: &TableSql,
         not_null: &[bool],
+        epoch: u64,
+    ) -> Result<(Vec<String>, Vec<String>), CoordinatorError> {
+        target::build_epoch(config, sql, not_null, epoch).await
+    }
+
+    async fn build_deferred(
+        &self,
+        config: &TaskConfig,
+        statements: &[String],
     ) -> Result<Vec<String>, CoordinatorError> {
-        target::build_epoch(config, sql, not_null).await
+        target::build_deferred(config, statements).await
     }
 
     async fn swap_epoch(&self, config: &TaskConfig, to: u64) -> Result<bool, CoordinatorError> {

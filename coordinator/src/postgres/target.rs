@@ -152,13 +152,17 @@ pub(crate) fn lazy_pool(config: &TaskConfig) -> Result<PgPool, CoordinatorError>
 }
 
 /// `tasks reinit`: epoch `epoch`'s table beside the live one (`sql.target` names it), created
-/// afresh with the source's columns (or the summary's), the task's tombstones and the live
-/// table's secondary indexes as they are now. Returns the statements run.
+/// afresh with the source's columns (or the summary's) and the task's tombstones. The live
+/// table's secondary indexes as they are now are carried over: unique ones at once (they
+/// decide which rows the table takes), the others returned to be built after the snapshot's
+/// load (faster than maintaining them row by row). Returns the statements run and those
+/// deferred.
 pub(crate) async fn build_epoch(
     config: &TaskConfig,
     sql: &TableSql,
     not_null: &[bool],
-) -> Result<Vec<String>, CoordinatorError> {
+    epoch: u64,
+) -> Result<(Vec<String>, Vec<String>), CoordinatorError> {
     let task = config.name.as_str();
     let setup = |message: String| CoordinatorError::task_setup(task, message);
     let live = tidemark_common::pg::TableName::parse(&config.target_table).map_err(&setup)?;
@@ -173,8 +177,10 @@ pub(crate) async fn build_epoch(
             .map_err(|e| setup(format!("{drop}: {e}")))?;
         ensure_target(&target, config, sql, not_null).await?;
         let mut statements = vec![format!("CREATE TABLE {}", sql.target.quoted())];
-        let definitions: Vec<String> = sqlx::query_scalar(
-            "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid \
+        let mut deferred = Vec::new();
+        let indexes: Vec<(String, String)> = sqlx::query_as(
+            "SELECT ic.relname::text, pg_get_indexdef(i.indexrelid) FROM pg_index i \
+             JOIN pg_class c ON c.oid = i.indrelid JOIN pg_class ic ON ic.oid = i.indexrelid \
              JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = $2 \
              AND NOT i.indisprimary ORDER BY i.indexrelid",
         )
@@ -183,10 +189,15 @@ pub(crate) async fn build_epoch(
         .fetch_all(&target)
         .await
         .map_err(|e| setup(format!("reading the indexes of {live}: {e}")))?;
-        for definition in definitions {
-            let Some(statement) = index_on(&definition, &sql.target) else {
+        for (name, definition) in indexes {
+            let name = pg::derived_name("", &name, &format!("__tm_e{epoch}"));
+            let Some((statement, unique)) = index_on(&definition, &name, &sql.target) else {
                 continue;
             };
+            if !unique {
+                deferred.push(statement);
+                continue;
+            }
             // An index on a column the new epoch no longer has is left behind, said so.
             match sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
                 .execute(&target)
@@ -196,25 +207,52 @@ pub(crate) async fn build_epoch(
                 Err(error) => tracing::warn!(task, %definition, %error, "index of the live table not carried over"),
             }
         }
-        Ok(statements)
+        Ok((statements, deferred))
     }
     .await;
     target.close().await;
     result
 }
 
-/// `CREATE [UNIQUE] INDEX name ON [ONLY] table USING …` (as `pg_get_indexdef` prints it) as
-/// the same index, unnamed (PostgreSQL names it after the table), on `table`.
-fn index_on(definition: &str, table: &tidemark_common::pg::TableName) -> Option<String> {
-    let head = if definition.starts_with("CREATE UNIQUE INDEX ") {
-        "CREATE UNIQUE INDEX"
-    } else if definition.starts_with("CREATE INDEX ") {
-        "CREATE INDEX"
-    } else {
+/// Builds the indexes deferred to after a new epoch's snapshot (each idempotent); returns the
+/// ones that could not be built, with why (an index on a column the epoch no longer has).
+pub(crate) async fn build_deferred(
+    config: &TaskConfig,
+    statements: &[String],
+) -> Result<Vec<String>, CoordinatorError> {
+    let task = config.name.as_str();
+    let target = connect_database(task, "target", &config.target).await?;
+    let mut failed = Vec::new();
+    for statement in statements {
+        if let Err(error) = sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+            .execute(&target)
+            .await
+        {
+            failed.push(format!("{statement}: {error}"));
+        }
+    }
+    target.close().await;
+    Ok(failed)
+}
+
+/// `CREATE [UNIQUE] INDEX old ON [ONLY] table USING …` (as `pg_get_indexdef` prints it) as
+/// the same index named `name` on `table`, and whether it is unique.
+fn index_on(definition: &str, name: &str, table: &tidemark_common::pg::TableName) -> Option<(String, bool)> {
+    let unique = definition.starts_with("CREATE UNIQUE INDEX ");
+    if !unique && !definition.starts_with("CREATE INDEX ") {
         return None;
-    };
+    }
     let using = definition.find(" USING ")?;
-    Some(format!("{head} ON {}{}", table.quoted(), &definition[using..]))
+    Some((
+        format!(
+            "CREATE {}INDEX IF NOT EXISTS {} ON {}{}",
+            if unique { "UNIQUE " } else { "" },
+            pg::quote_ident(name),
+            table.quoted(),
+            &definition[using..]
+        ),
+        unique,
+    ))
 }
 
 /// Makes epoch `to`'s table the task's live table in one transaction, under the task's epoch
@@ -351,24 +389,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_live_index_is_recreated_unnamed_on_the_epoch_table() {
+    fn a_live_index_is_recreated_on_the_epoch_table() {
         let table = tidemark_common::pg::TableName::parse("app.items__tm_e2").unwrap();
         assert_eq!(
             index_on(
                 "CREATE UNIQUE INDEX items_name_key ON app.items USING btree (name)",
+                "k",
                 &table
-            )
-            .as_deref(),
-            Some("CREATE UNIQUE INDEX ON \"app\".\"items__tm_e2\" USING btree (name)")
+            ),
+            Some((
+                "CREATE UNIQUE INDEX IF NOT EXISTS \"k\" ON \"app\".\"items__tm_e2\" USING btree (name)".into(),
+                true
+            ))
         );
         assert_eq!(
             index_on(
                 "CREATE INDEX \"odd ON name\" ON ONLY app.items USING btree (qty) WHERE (qty > 0)",
+                "i",
                 &table
-            )
-            .as_deref(),
-            Some("CREATE INDEX ON \"app\".\"items__tm_e2\" USING btree (qty) WHERE (qty > 0)")
+            ),
+            Some((
+                "CREATE INDEX IF NOT EXISTS \"i\" ON \"app\".\"items__tm_e2\" USING btree (qty) WHERE (qty > 0)".into(),
+                false
+            ))
         );
-        assert_eq!(index_on("CREATE TABLE x", &table), None);
+        assert_eq!(index_on("CREATE TABLE x", "x", &table), None);
     }
 }
