@@ -180,13 +180,13 @@ impl ControlDb {
             .bind(serde_json::json!(deferred))
             .execute(&mut *tx)
             .await?;
-        sqlx::query(
+        run(
+            &mut tx,
             "UPDATE tasks SET building_epoch = $2, paused_reason = NULL, max_source_clock_micros = NULL \
              WHERE name = $1",
+            &plan.task,
+            plan.epoch,
         )
-        .bind(&plan.task)
-        .bind(plan.epoch as i64)
-        .execute(&mut *tx)
         .await?;
         if freeze_live {
             sqlx::query("UPDATE epochs SET frozen = true WHERE task = $1 AND epoch = $2")
@@ -263,13 +263,42 @@ impl ControlDb {
         serde_json::from_value(value).map_err(|e| bad(format!("stored deferred statements: {e}")))
     }
 
-    async fn mark_validated(&self, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
-        sqlx::query("UPDATE epochs SET validated_at = now() WHERE task = $1 AND epoch = $2 AND state = 'building'")
+    /// `UPDATE epochs SET {set}` for one epoch, while its state is one of `states`.
+    async fn update_epoch(&self, task: &str, epoch: u64, set: &str, states: &str) -> Result<(), CoordinatorError> {
+        let statement = format!("UPDATE epochs SET {set} WHERE task = $1 AND epoch = $2 AND state IN ({states})");
+        sqlx::query(sqlx::AssertSqlSafe(statement))
             .bind(task)
             .bind(epoch as i64)
             .execute(self.pool())
             .await?;
         Ok(())
+    }
+
+    async fn mark_validated(&self, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
+        self.update_epoch(task, epoch, "validated_at = now()", "'building'")
+            .await
+    }
+
+    async fn mark_dropped(&self, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
+        self.update_epoch(task, epoch, "state = 'dropped'", "'retained', 'abandoned'")
+            .await
+    }
+
+    /// `tasks validate`: forgets the building epoch's last validation; the next round starts
+    /// another.
+    async fn revalidate(&self, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
+        self.update_epoch(
+            task,
+            epoch,
+            "validation_run = NULL, validated_at = NULL, blocked_reason = NULL",
+            "'building'",
+        )
+        .await
+    }
+
+    async fn request_switch(&self, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
+        self.update_epoch(task, epoch, "switch_requested = true", "'building'")
+            .await
     }
 
     async fn set_blocked(&self, task: &str, epoch: u64, reason: &str) -> Result<(), CoordinatorError> {
@@ -318,83 +347,72 @@ impl ControlDb {
             .bind(replaced)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(
+        run(
+            &mut tx,
             "UPDATE epochs SET state = 'live', retired_at = NULL, frozen = false WHERE task = $1 AND epoch = $2",
+            task,
+            to,
         )
-        .bind(task)
-        .bind(to as i64)
-        .execute(&mut *tx)
         .await?;
-        sqlx::query(
+        run(
+            &mut tx,
             "UPDATE tasks SET current_epoch = $2, swap_to = NULL, swap_error = NULL, \
              building_epoch = CASE WHEN building_epoch = $2 THEN NULL ELSE building_epoch END WHERE name = $1",
+            task,
+            to,
         )
-        .bind(task)
-        .bind(to as i64)
-        .execute(&mut *tx)
         .await?;
-        sqlx::query("UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND state = 'STAGED'")
-            .bind(task)
-            .bind(from as i64)
-            .execute(&mut *tx)
-            .await?;
+        run(
+            &mut tx,
+            "UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND state = 'STAGED'",
+            task,
+            from,
+        )
+        .await?;
         tx.commit().await?;
         Ok(Some(from))
     }
+}
 
-    async fn mark_dropped(&self, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
-        sqlx::query(
-            "UPDATE epochs SET state = 'dropped' WHERE task = $1 AND epoch = $2 AND state IN ('retained', 'abandoned')",
-        )
+/// Runs `statement` with `$1` the task and `$2` an epoch.
+async fn run(
+    conn: &mut sqlx::PgConnection,
+    statement: &'static str,
+    task: &str,
+    epoch: u64,
+) -> Result<(), CoordinatorError> {
+    sqlx::query(statement)
         .bind(task)
         .bind(epoch as i64)
-        .execute(self.pool())
+        .execute(&mut *conn)
         .await?;
-        Ok(())
-    }
-
-    /// `tasks validate`: forgets the building epoch's last validation; the next round starts
-    /// another.
-    async fn revalidate(&self, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
-        sqlx::query(
-            "UPDATE epochs SET validation_run = NULL, validated_at = NULL, blocked_reason = NULL \
-             WHERE task = $1 AND epoch = $2 AND state = 'building'",
-        )
-        .bind(task)
-        .bind(epoch as i64)
-        .execute(self.pool())
-        .await?;
-        Ok(())
-    }
-
-    async fn request_switch(&self, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
-        sqlx::query("UPDATE epochs SET switch_requested = true WHERE task = $1 AND epoch = $2 AND state = 'building'")
-            .bind(task)
-            .bind(epoch as i64)
-            .execute(self.pool())
-            .await?;
-        Ok(())
-    }
+    Ok(())
 }
 
 /// An epoch still building is given up: its shards stop (commits refused), its staged
 /// batches are abandoned, its table is dropped by the next lifecycle round.
 async fn abandon(tx: &mut sqlx::PgConnection, task: &str, epoch: u64) -> Result<(), CoordinatorError> {
-    sqlx::query("UPDATE epochs SET state = 'abandoned', retired_at = now() WHERE task = $1 AND epoch = $2")
-        .bind(task)
-        .bind(epoch as i64)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND state = 'STAGED'")
-        .bind(task)
-        .bind(epoch as i64)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("UPDATE tasks SET building_epoch = NULL WHERE name = $1 AND building_epoch = $2")
-        .bind(task)
-        .bind(epoch as i64)
-        .execute(&mut *tx)
-        .await?;
+    run(
+        tx,
+        "UPDATE epochs SET state = 'abandoned', retired_at = now() WHERE task = $1 AND epoch = $2",
+        task,
+        epoch,
+    )
+    .await?;
+    run(
+        tx,
+        "UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND state = 'STAGED'",
+        task,
+        epoch,
+    )
+    .await?;
+    run(
+        tx,
+        "UPDATE tasks SET building_epoch = NULL WHERE name = $1 AND building_epoch = $2",
+        task,
+        epoch,
+    )
+    .await?;
     Ok(())
 }
 
@@ -442,7 +460,7 @@ async fn round(control: &ControlDb, task: &PreparedTask) -> Result<(), Coordinat
         control.mark_dropped(name, *epoch).await?;
         tracing::info!(task = name, epoch, "abandoned epoch's table dropped");
     }
-    let retention = chrono::Duration::from_std(task.config.epoch_retention).unwrap_or(chrono::Duration::MAX);
+    let retention = retention(task);
     for (epoch, retired_at) in &lifecycle.retained {
         if chrono::Utc::now() - *retired_at >= retention {
             side.drop_epoch_table(&task.config, *epoch).await?;
@@ -602,18 +620,33 @@ async fn finish_swap(control: &ControlDb, task: &PreparedTask, to: u64) -> Resul
     Ok(())
 }
 
+async fn lifecycle_of(control: &ControlDb, name: &str) -> Result<Lifecycle, CoordinatorError> {
+    control
+        .lifecycle(name)
+        .await?
+        .ok_or_else(|| bad(format!("no task {name}")))
+}
+
+/// The task's lifecycle and its building epoch; an error naming `tasks reinit` without one.
+async fn building_of(control: &ControlDb, name: &str) -> Result<(Lifecycle, Building), CoordinatorError> {
+    let lifecycle = lifecycle_of(control, name).await?;
+    let building = lifecycle.building.clone().ok_or_else(|| {
+        bad(format!(
+            "task {name} has no epoch building: `tidemark-coordinator tasks reinit {name}` starts one"
+        ))
+    })?;
+    Ok((lifecycle, building))
+}
+
+/// How long a replaced epoch is kept.
+fn retention(task: &PreparedTask) -> chrono::Duration {
+    chrono::Duration::from_std(task.config.epoch_retention).unwrap_or(chrono::Duration::MAX)
+}
+
 /// `tasks switch`: the validated building epoch becomes live now.
 pub async fn switch(control: &ControlDb, task: &PreparedTask) -> Result<String, CoordinatorError> {
     let name = task.config.name.as_str();
-    let lifecycle = control
-        .lifecycle(name)
-        .await?
-        .ok_or_else(|| bad(format!("no task {name}")))?;
-    let Some(building) = lifecycle.building else {
-        return Err(bad(format!(
-            "task {name} has no epoch building: `tidemark-coordinator tasks reinit {name}` starts one"
-        )));
-    };
+    let (lifecycle, building) = building_of(control, name).await?;
     if !building.validated {
         return Err(bad(format!(
             "epoch {} of task {name} is not validated yet ({}); it switches after its validation",
@@ -637,13 +670,7 @@ pub async fn switch(control: &ControlDb, task: &PreparedTask) -> Result<String, 
 /// `tasks validate`: the building epoch's validation starts again.
 pub async fn validate(control: &ControlDb, task: &PreparedTask) -> Result<String, CoordinatorError> {
     let name = task.config.name.as_str();
-    let lifecycle = control
-        .lifecycle(name)
-        .await?
-        .ok_or_else(|| bad(format!("no task {name}")))?;
-    let Some(building) = lifecycle.building else {
-        return Err(bad(format!("task {name} has no epoch building")));
-    };
+    let (_, building) = building_of(control, name).await?;
     control.revalidate(name, building.epoch).await?;
     Ok(format!(
         "task {name}: epoch {} is validated again (a full reconciliation of its table)",
@@ -655,10 +682,7 @@ pub async fn validate(control: &ControlDb, task: &PreparedTask) -> Result<String
 /// back); the epoch it replaces is abandoned and its table dropped.
 pub async fn rollback(control: &ControlDb, task: &PreparedTask) -> Result<String, CoordinatorError> {
     let name = task.config.name.as_str();
-    let lifecycle = control
-        .lifecycle(name)
-        .await?
-        .ok_or_else(|| bad(format!("no task {name}")))?;
+    let lifecycle = lifecycle_of(control, name).await?;
     if let Some(building) = &lifecycle.building {
         return Err(bad(format!(
             "task {name}: epoch {} is building; a rollback would leave it without the epoch it builds beside. \
@@ -666,7 +690,7 @@ pub async fn rollback(control: &ControlDb, task: &PreparedTask) -> Result<String
             building.epoch
         )));
     }
-    let retention = chrono::Duration::from_std(task.config.epoch_retention).unwrap_or(chrono::Duration::MAX);
+    let retention = retention(task);
     let Some((previous, retired_at)) = lifecycle.retained.first().copied() else {
         return Err(bad(format!(
             "task {name}: no epoch is retained to roll back to (a replaced epoch is kept for epoch_retention = {})",
@@ -772,7 +796,7 @@ pub async fn status(
             })
         }
     };
-    let retention = chrono::Duration::from_std(task.config.epoch_retention).unwrap_or(chrono::Duration::MAX);
+    let retention = retention(task);
     let retained = lifecycle
         .retained
         .iter()
