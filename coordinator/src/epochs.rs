@@ -416,6 +416,10 @@ async fn abandon(tx: &mut sqlx::PgConnection, task: &str, epoch: u64) -> Result<
     Ok(())
 }
 
+/// How long a switch waits for queries running on the live table before it gives up (and
+/// tries again at the next lifecycle round): readers queue behind its lock meanwhile.
+pub const SWAP_LOCK_WAIT: Duration = Duration::from_secs(2);
+
 /// Test hook: while this file exists, no validation starts (a test changes the new table
 /// between its snapshot and its validation).
 const VALIDATION_GATE: &str = "TIDEMARK_TEST_VALIDATION_GATE";

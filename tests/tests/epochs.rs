@@ -353,3 +353,46 @@ async fn kills_during_the_build_and_the_switch_leave_one_live_table() {
     assert_eq!(status.retained.iter().map(|e| e.epoch).collect::<Vec<_>>(), [1]);
     assert!(status.building.is_none());
 }
+
+/// A reader's transaction that keeps the live table open holds the switch back: the rename
+/// gives up after its 2 s lock wait (other readers wait at most that long behind it), status
+/// says why and the switch is tried again each round; once the transaction ends, epoch 2
+/// switches, and every key converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_reader_delays_the_switch_and_status_says_why() {
+    let cluster = syncing("ep_long_reader", ROWS, settings("")).await;
+    let mut long = cluster.target.pool.begin().await.unwrap();
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM items")
+        .fetch_one(&mut *long)
+        .await
+        .unwrap();
+    assert_eq!(count, ROWS);
+    cluster.cli_json(&["tasks", "reinit", "items"]);
+    let waiting = cluster
+        .wait_for("a switch held back", Duration::from_secs(60), |t| {
+            t.warnings
+                .iter()
+                .any(|w| w.contains("the switch to epoch 2 failed and is retried"))
+        })
+        .await;
+    assert_eq!(waiting.epoch, 1, "{:?}", waiting.warnings);
+    assert!(
+        waiting.warnings.iter().any(|w| w.contains("lock timeout")),
+        "{:?}",
+        waiting.warnings
+    );
+    // Another reader meanwhile: held at most by one attempt's lock wait.
+    for _ in 0..3 {
+        let started = Instant::now();
+        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM items")
+            .fetch_one(&cluster.target.pool)
+            .await
+            .unwrap();
+        assert_eq!(count, ROWS);
+        assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    assert_eq!(cluster.task_status().await.epoch, 1);
+    long.commit().await.unwrap();
+    converged(&cluster, 2, "after the long reader ended").await;
+}

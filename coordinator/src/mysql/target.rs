@@ -346,10 +346,18 @@ pub async fn swap_epoch(config: &TaskConfig, to: u64) -> Result<bool, Coordinato
                 sql::quoted_table(&incoming),
                 sql::quoted_table(&live)
             );
-            sqlx::query(sqlx::AssertSqlSafe(rename))
-                .execute(&target)
+            // A query running on the live table holds the rename back, and every query after
+            // it would queue behind: wait a little, then give up and try again next round.
+            let mut conn = target.acquire().await.map_err(failed)?;
+            let wait = crate::epochs::SWAP_LOCK_WAIT.as_secs();
+            sqlx::query(sqlx::AssertSqlSafe(format!("SET SESSION lock_wait_timeout = {wait}")))
+                .execute(&mut *conn)
                 .await
                 .map_err(failed)?;
+            let renamed = sqlx::query(sqlx::AssertSqlSafe(rename)).execute(&mut *conn).await;
+            // The session does not go back to the pool with the short timeout.
+            conn.close().await.map_err(failed)?;
+            renamed.map_err(failed)?;
             // Privileges are granted by name in MySQL: they stay with the live name. The
             // table's comment is the table's own: carried over.
             let comment: Option<String> = sqlx::query_scalar(

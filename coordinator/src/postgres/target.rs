@@ -295,7 +295,13 @@ pub(crate) async fn swap_epoch(config: &TaskConfig, to: u64) -> Result<bool, Coo
                 "epoch {to}'s table {incoming} is missing in the target: it cannot become {live}"
             )));
         }
+        // A query running on the live table holds the renames back, and every query after
+        // them would queue behind: wait a little, then give up and try again next round.
         let statements = [
+            format!(
+                "SET LOCAL lock_timeout = '{}ms'",
+                crate::epochs::SWAP_LOCK_WAIT.as_millis()
+            ),
             format!(
                 "ALTER TABLE {} RENAME TO {}",
                 live.quoted(),
