@@ -9,8 +9,10 @@
 //! its final path, as a non-atomic store would), `after_data` (data object, no manifest),
 //! `after_stage` (manifest written, not registered), `after_register`, `in_apply` (inside the
 //! target transaction, rows upserted, not committed), `after_apply` (target committed, commit
-//! RPC not sent), `after_commit` (commit acknowledged). Coordinator point:
-//! `commit_before_reply` (checkpoint committed, reply not sent).
+//! RPC not sent), `after_commit` (commit acknowledged). Coordinator points:
+//! `commit_before_reply` (checkpoint committed, reply not sent), `swap_before_control` (an
+//! epoch switch done in the target, not yet in the control database), `swap_mid_target`
+//! (MySQL/MariaDB: the tables renamed, the fence row not yet moved).
 //!
 //! `TIDEMARK_STOP_AT=<point>:<n>` instead freezes the worker (SIGSTOP) there: `before_commit`
 //! (target committed, checkpoint not) or `in_apply` (inside the target transaction, holding

@@ -742,6 +742,23 @@ async fn dead_letters_are_listed_retried_resolved_and_purged_in_a_mariadb_target
 /// PostgreSQL `items (id, name, updated_at)` with `rows` rows syncing into a MariaDB target
 /// on the writer account (two shards, one worker), its watermark past the snapshot.
 async fn pg_items_into_mariadb(cluster: &mut Cluster, target: &MariaDb, writer: &MariaUser, rows: i64, extra: &str) {
+    let settings = TaskSettings {
+        extra: extra.into(),
+        ..TaskSettings::default()
+    };
+    pg_items_into_mariadb_with(cluster, target, writer, rows, settings, 2).await;
+}
+
+/// [`pg_items_into_mariadb`] with more settings (the target, table, shards and page size are
+/// its own) and a worker of `max_shards`.
+async fn pg_items_into_mariadb_with(
+    cluster: &mut Cluster,
+    target: &MariaDb,
+    writer: &MariaUser,
+    rows: i64,
+    settings: TaskSettings,
+    max_shards: u32,
+) {
     cluster
         .source
         .exec(&format!(
@@ -756,11 +773,10 @@ async fn pg_items_into_mariadb(cluster: &mut Cluster, target: &MariaDb, writer: 
             target_table: "items".into(),
             shards: 2,
             page_size: 500,
-            extra: extra.into(),
-            ..TaskSettings::default()
+            ..settings
         })
         .await;
-    cluster.spawn_worker("a", 2, &[]);
+    cluster.spawn_worker("a", max_shards, &[]);
     let now = cluster.source_now_micros().await;
     cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
 }
@@ -874,6 +890,67 @@ async fn reinit_builds_a_new_source_column_beside_in_a_mariadb_target() {
         (1, "synced by tidemark"),
         "index and comment carried over"
     );
+}
+
+/// The items of a PostgreSQL source against a MariaDB target, per key (name and version).
+async fn assert_items_in_mariadb(cluster: &Cluster, target: &MariaDb, context: &str) {
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(90)).await;
+    let expected: BTreeMap<i64, Rendered> = keyed(
+        &cluster.source.pool,
+        "SELECT id, name, (extract(epoch from updated_at) * 1000000)::bigint FROM items",
+    )
+    .await;
+    let actual: BTreeMap<i64, Rendered> = keyed(&target.pool, "SELECT id, name, _tidemark_version FROM items").await;
+    if let Some(diff) = differences(&expected, &actual) {
+        panic!("{context}: {diff}");
+    }
+}
+
+/// A MariaDB switch cut short: the coordinator is killed after its RENAME TABLE and before
+/// the fence row moves (crash point `swap_mid_target`), so batches of both epochs refuse
+/// themselves on the swap mark; the restarted coordinator finishes the switch. Then `tasks
+/// rollback` swaps epoch 1's table back. Per key after each, with writes in between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mariadb_switch_cut_short_is_finished_then_rolled_back() {
+    let (target, writer) = writer_target("mc_dst").await;
+    let mut cluster = Cluster::new("mc_sync").await;
+    let settings = TaskSettings {
+        coordinator_env: vec![("TIDEMARK_CRASH_AT", "swap_mid_target:1".into())],
+        ..TaskSettings::default()
+    };
+    pg_items_into_mariadb_with(&mut cluster, &target, &writer, 2000, settings, 4).await;
+    let update = |round: i64| {
+        format!("UPDATE items SET name = name || ' r{round}', updated_at = clock_timestamp() WHERE id % 10 = {round}")
+    };
+    cluster.cli_json(&["tasks", "reinit", "items"]);
+    let exited = cluster.coordinator.as_mut().unwrap().wait_exit(Duration::from_secs(90));
+    assert!(exited.is_some(), "the coordinator reached its crash point");
+    let fence: (i64, Option<i64>) = sqlx::query_as("SELECT epoch, swapping FROM tidemark_epochs WHERE task = 'items'")
+        .fetch_one(&target.pool)
+        .await
+        .unwrap();
+    assert_eq!(fence, (1, Some(2)), "renamed, the fence not moved yet");
+    cluster.source.exec(&update(1)).await;
+    let config = cluster.config_path.clone();
+    cluster.launch_coordinator(&config, &[]).await;
+    cluster
+        .wait_for("epoch 2 live", Duration::from_secs(60), |t| t.epoch == 2)
+        .await;
+    assert_items_in_mariadb(&cluster, &target, "after the switch was finished").await;
+
+    let rolled = cluster.cli_json(&["tasks", "rollback", "items"]);
+    assert!(
+        rolled["message"].as_str().unwrap().contains("epoch 1 is live again"),
+        "{rolled}"
+    );
+    cluster.source.exec(&update(2)).await;
+    assert_items_in_mariadb(&cluster, &target, "after the rollback").await;
+    let fence: (i64, Option<i64>) = sqlx::query_as("SELECT epoch, swapping FROM tidemark_epochs WHERE task = 'items'")
+        .fetch_one(&target.pool)
+        .await
+        .unwrap();
+    assert_eq!(fence, (1, None));
 }
 
 /// The remaining cells of the pair × mode matrix: MariaDB → MariaDB in append mode (an

@@ -385,6 +385,7 @@ pub async fn swap_epoch(config: &TaskConfig, to: u64) -> Result<bool, Coordinato
                 "epoch {to}'s table {incoming} is missing in the target: it cannot become {live}"
             )));
         }
+        tidemark_common::crash::point("swap_mid_target");
         if to > from && config.accumulate_spec().map_err(&setup)?.is_some() {
             // The new epoch counted every row itself: an older epoch's letter retried into its
             // totals would count twice.
