@@ -749,13 +749,8 @@ pub struct EpochsView {
     pub warnings: Vec<String>,
 }
 
-/// The building and retained epochs of a task, for `status`; `owned` tells whether a
-/// worker holds a shard.
-pub async fn status(
-    control: &ControlDb,
-    task: &PreparedTask,
-    owned: impl Fn(u64, u32) -> bool,
-) -> Result<EpochsView, CoordinatorError> {
+/// The building and retained epochs of a task, for `status`.
+pub async fn status(control: &ControlDb, task: &PreparedTask) -> Result<EpochsView, CoordinatorError> {
     let name = task.config.name.as_str();
     let Some(lifecycle) = control.lifecycle(name).await? else {
         return Ok(EpochsView::default());
@@ -812,23 +807,6 @@ pub async fn status(
             ..Default::default()
         })
         .collect();
-    if let Some(building) = &building {
-        let shards: Vec<i32> =
-            sqlx::query_scalar("SELECT shard_id FROM checkpoints WHERE task = $1 AND epoch = $2 AND NOT retired")
-                .bind(name)
-                .bind(building.epoch as i64)
-                .fetch_all(control.pool())
-                .await?;
-        let waiting = shards.iter().filter(|s| !owned(building.epoch, **s as u32)).count();
-        if waiting > 0 && !building.snapshot_complete {
-            warnings.push(format!(
-                "epoch {}: {waiting} of its {} shards have no worker; while it builds, the workers' --max-shards \
-                 must cover the live epoch's shards and its own",
-                building.epoch,
-                shards.len()
-            ));
-        }
-    }
     if let Some(building) = &building
         && building.validation.starts_with("blocked")
     {

@@ -569,12 +569,14 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         leadership.clone(),
     ));
     tokio::spawn(campaign(leases.clone(), advertise.clone(), leadership.clone()));
+    let capacity = tidemark_coordinator::capacity::Capacity::default();
     tokio::spawn(run_operations(
         control.clone(),
         leases.clone(),
         tasks.clone(),
         leadership.clone(),
         settings.balance,
+        capacity.clone(),
     ));
     tokio::spawn(tidemark_coordinator::metrics::refresh_gauges(
         control.clone(),
@@ -601,6 +603,7 @@ async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
         staging_url: settings.staging.clone(),
         leadership,
         address: advertise,
+        capacity,
     });
     let address: std::net::SocketAddr = settings.listen.parse().expect("validated in config");
     let listener = tokio::net::TcpListener::bind(address)

@@ -27,6 +27,7 @@ pub struct CoordinatorMetrics {
     pub watermark_lag: GaugeFamily,
     pub late_rows: GaugeFamily,
     pub task_paused: GaugeFamily,
+    pub shards_unassigned: GaugeFamily,
     pub leader: Gauge,
 }
 
@@ -45,6 +46,7 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     watermark_lag: GaugeFamily::default(),
     late_rows: GaugeFamily::default(),
     task_paused: GaugeFamily::default(),
+    shards_unassigned: GaugeFamily::default(),
     leader: Gauge::default(),
 });
 
@@ -120,6 +122,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "tidemark_task_paused",
         "1 while the task is paused (the reason is in `status`), else 0",
         m.task_paused.clone(),
+    );
+    r.register(
+        "tidemark_shards_unassigned",
+        "Shards of a task's running epochs that no worker holds (they wait for capacity, or are moving)",
+        m.shards_unassigned.clone(),
     );
     r.register(
         "tidemark_leader",

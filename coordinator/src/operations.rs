@@ -30,6 +30,7 @@ use tidemark_common::cursor::{Cursor, KeyValue, Position, ShardRange};
 use tidemark_common::pg::TableSql;
 use tidemark_common::source::{SourcePool, SourceReads};
 
+use crate::capacity::Capacity;
 use crate::checkpoints::{ControlDb, ShardKey};
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
@@ -368,13 +369,35 @@ pub async fn run_operations(
     tasks: HashMap<String, PreparedTask>,
     leadership: Leadership,
     balance: bool,
+    capacity: Capacity,
 ) {
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
+        // Every replica notes which shards wait (for its `status`); the leader acts.
+        let observed = async {
+            let running = control.running_shards().await?;
+            let owners = leases.owners().await?;
+            capacity.observe(&running, |key| owners.contains_key(key));
+            Ok::<_, CoordinatorError>((running, owners))
+        }
+        .await;
         if !leadership.is_leader() {
             continue;
         }
-        if let Err(error) = operate(&control, &leases, &tasks, balance).await {
+        let result = async {
+            let (running, owners) = observed?;
+            operate(&control, &leases, &tasks, balance).await?;
+            crate::capacity::rotate(
+                &control,
+                &capacity,
+                &running,
+                |key| owners.contains_key(key),
+                leases.ttl(),
+            )
+            .await
+        }
+        .await;
+        if let Err(error) = result {
             tracing::warn!(%error, "shard operations: retrying");
         }
     }

@@ -37,6 +37,8 @@ pub struct Coordinator {
     pub leadership: Leadership,
     /// This replica's address, as clients reach it.
     pub address: String,
+    /// Which shards wait for a worker (see `capacity`).
+    pub capacity: crate::capacity::Capacity,
 }
 
 #[derive(Clone)]
@@ -627,13 +629,27 @@ impl AdminService for CoordinatorService {
                 })
                 .collect();
             let epochs = match self.inner.tasks.get(&task.name) {
-                Some(prepared) => {
-                    let owned = |epoch: u64, shard: u32| owners.contains_key(&shard_key(&task.name, epoch, shard));
-                    crate::epochs::status(&self.inner.control, prepared, owned).await?
-                }
+                Some(prepared) => crate::epochs::status(&self.inner.control, prepared).await?,
                 None => crate::epochs::EpochsView::default(),
             };
             warnings.extend(epochs.warnings);
+            let ttl = self.inner.leases.ttl();
+            let waiting = self
+                .inner
+                .capacity
+                .waiting(&task.name, crate::capacity::waiting_after(ttl));
+            if !waiting.is_empty() {
+                let shards: Vec<String> = waiting.iter().map(|k| format!("{}/{}", k.epoch, k.shard_id)).collect();
+                warnings.push(format!(
+                    "{} shard(s) (epoch/shard {}) have had no worker for over {:.0}s: the workers' capacity \
+                     (--max-shards each) is below the running epochs' shards, and their data lags; they take turns \
+                     with caught-up shards (held {:.0}s at least): start workers or raise --max-shards",
+                    waiting.len(),
+                    shards.join(", "),
+                    crate::capacity::waiting_after(ttl).as_secs_f64(),
+                    crate::capacity::turn(ttl).as_secs_f64()
+                ));
+            }
             tasks.push(pb::TaskStatus {
                 building: epochs.building,
                 retained: epochs.retained,

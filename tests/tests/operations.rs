@@ -316,3 +316,57 @@ async fn balance_evens_shards_when_a_worker_joins() {
         )
         .await;
 }
+
+/// Capacity short of the shards (issue 20): one worker that holds 2 of 3 shards. The third
+/// waits; status warns and names it, and `tidemark_shards_unassigned` counts it. Caught-up
+/// shards then give it turns (each held at least 3 lease TTLs), so every shard's data keeps
+/// arriving: the watermark passes writes made after the snapshot, per key. A second worker
+/// with room ends the wait and the warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_shards_are_reported_and_take_turns() {
+    let mut cluster = Cluster::new("capacity").await;
+    create_items(&cluster.source, KeyKind::Bigint, 3_000).await;
+    let metrics = format!("127.0.0.1:{}", free_port());
+    cluster
+        .start(&TaskSettings {
+            shards: 3,
+            coordinator_extra: format!("metrics_listen = \"{metrics}\""),
+            ..TaskSettings::default()
+        })
+        .await;
+    cluster.spawn_worker("a", 2, &[]);
+    let warned = cluster
+        .wait_for("the capacity warning", Duration::from_secs(60), |t| {
+            t.warnings.iter().any(|w| w.contains("have had no worker"))
+        })
+        .await;
+    let warning = warned
+        .warnings
+        .iter()
+        .find(|w| w.contains("have had no worker"))
+        .unwrap();
+    assert!(
+        warning.starts_with("1 shard(s)") && warning.contains("--max-shards"),
+        "{warning}"
+    );
+    let text = tidemark_tests::otlp::scrape(&metrics).await;
+    assert!(text.contains("tidemark_shards_unassigned{task=\"items\"} 1.0"), "{text}");
+
+    // Turns: every shard's snapshot completes and later writes arrive, with one worker.
+    write_changes(&cluster.source, KeyKind::Bigint, 3_000, 2).await;
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(120)).await;
+    cluster
+        .items_diff()
+        .await
+        .assert_clean("one worker, three shards taking turns");
+
+    cluster.spawn_worker("b", 4, &[]);
+    cluster
+        .wait_for("no shard waiting", Duration::from_secs(60), |t| {
+            !t.warnings.iter().any(|w| w.contains("have had no worker")) && t.shards.iter().all(|s| !s.owner.is_empty())
+        })
+        .await;
+    let text = tidemark_tests::otlp::scrape(&metrics).await;
+    assert!(text.contains("tidemark_shards_unassigned{task=\"items\"} 0.0"), "{text}");
+}
