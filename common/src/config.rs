@@ -38,12 +38,24 @@ pub struct Config {
 pub struct CoordinatorConfig {
     /// gRPC address for workers and the admin CLI.
     pub listen: String,
+    /// Where worker leases and shard ownership live: `etcd` (default: any number of
+    /// coordinator replicas, one elected leader) or `in_process` (this coordinator's memory:
+    /// one coordinator only, no etcd; what `tidemark sync` runs).
+    #[serde(default)]
+    pub leases: LeaseStore,
+    /// Required with `leases = "etcd"`.
+    #[serde(default)]
     pub etcd_endpoints: Vec<String>,
     /// Key prefix under which leases and ownership live in etcd.
     #[serde(default = "default_etcd_prefix")]
     pub etcd_prefix: String,
     /// PostgreSQL URL of the control database (created if it does not exist).
     pub control_db: String,
+    /// The schema of the control database that holds Tidemark's control tables (created if
+    /// it does not exist); default: the role's search path (`public`). Lets the control state
+    /// share a database, e.g. the target's.
+    #[serde(default)]
+    pub control_schema: Option<String>,
     /// object_store URL of the staging store, e.g. `file:///var/tmp/tidemark-staging`.
     pub staging: String,
     #[serde(default = "default_lease_ttl", with = "serde_human")]
@@ -71,6 +83,15 @@ pub struct CoordinatorConfig {
     /// Reach etcd over TLS (`{ ca, cert, key }`) at `https://` endpoints.
     #[serde(default)]
     pub etcd_tls: Option<crate::tls::ClientTls>,
+}
+
+/// Where worker leases and shard ownership live (`coordinator.leases`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseStore {
+    #[default]
+    Etcd,
+    InProcess,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -506,8 +527,32 @@ impl Config {
                 self.coordinator.listen
             ))
         })?;
-        if self.coordinator.etcd_endpoints.is_empty() {
-            return Err(invalid("coordinator.etcd_endpoints is empty".into()));
+        match self.coordinator.leases {
+            LeaseStore::Etcd if self.coordinator.etcd_endpoints.is_empty() => {
+                return Err(invalid(
+                    "coordinator.etcd_endpoints is empty (leases = \"in_process\" runs one coordinator without etcd)"
+                        .into(),
+                ));
+            }
+            LeaseStore::InProcess if !self.coordinator.etcd_endpoints.is_empty() => {
+                return Err(invalid(
+                    "coordinator.etcd_endpoints goes with leases = \"etcd\", not \"in_process\"".into(),
+                ));
+            }
+            _ => {}
+        }
+        if let Some(schema) = &self.coordinator.control_schema {
+            let valid = !schema.is_empty()
+                && schema.len() <= 63
+                && schema.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+                && schema
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+            if !valid {
+                return Err(invalid(format!(
+                    "coordinator.control_schema {schema:?} is not a lower-case identifier (a-z, 0-9, _)"
+                )));
+            }
         }
         let https = self
             .coordinator

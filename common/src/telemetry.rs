@@ -75,8 +75,23 @@ impl Telemetry {
 /// Sets up logging and, when an OTLP endpoint is given (else `OTEL_EXPORTER_OTLP_ENDPOINT`),
 /// trace export. Call inside a tokio runtime.
 pub fn init(default_service: &str, format: LogFormat, otlp_endpoint: Option<String>) -> Telemetry {
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn,h2=warn,tower=warn,hyper=warn,opentelemetry=warn"));
+    init_with_filter(
+        default_service,
+        format,
+        otlp_endpoint,
+        "info,sqlx=warn,h2=warn,tower=warn,hyper=warn,opentelemetry=warn",
+    )
+}
+
+/// [`init`] with another filter than `info` when `RUST_LOG` is unset (`tidemark sync` keeps
+/// the terminal for its progress: `warn`).
+pub fn init_with_filter(
+    default_service: &str,
+    format: LogFormat,
+    otlp_endpoint: Option<String>,
+    default_filter: &str,
+) -> Telemetry {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let endpoint = otlp_endpoint
         .or_else(|| std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok())
         .filter(|e| !e.is_empty());

@@ -77,7 +77,8 @@ fn with_causes(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-async fn fetch_status(addresses: &str) -> anyhow::Result<pb::StatusResponse> {
+/// The coordinator's `status`.
+pub async fn fetch_status(addresses: &str) -> anyhow::Result<pb::StatusResponse> {
     admin(addresses, |mut c| async move { c.status(pb::StatusRequest {}).await }).await
 }
 

@@ -173,8 +173,13 @@ fn cursor_json(cursor: &Cursor) -> serde_json::Value {
 impl ControlDb {
     /// Connects (creating the database when it does not exist) and runs the migrations.
     /// sqlx holds an advisory lock while migrating, so concurrent coordinators are safe.
-    pub async fn connect(url: &str) -> Result<ControlDb, CoordinatorError> {
-        let options = connect_options(url, "tidemark-coordinator").map_err(CoordinatorError::InvalidRequest)?;
+    /// `schema`: the schema that holds the control tables (created when missing); `None`:
+    /// the role's search path.
+    pub async fn connect(url: &str, schema: Option<&str>) -> Result<ControlDb, CoordinatorError> {
+        let mut options = connect_options(url, "tidemark-coordinator").map_err(CoordinatorError::InvalidRequest)?;
+        if let Some(schema) = schema {
+            options = options.options([("search_path", schema)]);
+        }
         let pool_options = PgPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(10));
@@ -199,6 +204,16 @@ impl ControlDb {
             }
             Err(error) => return Err(error.into()),
         };
+        if let Some(schema) = schema {
+            let create = format!("CREATE SCHEMA IF NOT EXISTS {}", quote_ident(schema));
+            if let Err(error) = sqlx::query(sqlx::AssertSqlSafe(create)).execute(&pool).await {
+                // Two coordinators starting at once: one creates it, the other races.
+                let raced = matches!(&error, sqlx::Error::Database(db) if db.code().as_deref() == Some("23505"));
+                if !raced {
+                    return Err(error.into());
+                }
+            }
+        }
         MIGRATOR
             .run(&pool)
             .await
@@ -208,6 +223,35 @@ impl ControlDb {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// Makes this the only coordinator on this control state, for as long as the returned
+    /// session lives (in-process leases have no election: a second one would hand out the
+    /// same shards).
+    pub async fn hold_sole_coordinator(&self) -> Result<sqlx::PgConnection, CoordinatorError> {
+        let mut session = self.pool.acquire().await?;
+        let held: bool = sqlx::query_scalar(
+            "SELECT pg_try_advisory_lock(hashtextextended('tidemark sole coordinator ' || current_schema(), 0))",
+        )
+        .fetch_one(&mut *session)
+        .await?;
+        if !held {
+            return Err(CoordinatorError::InvalidRequest(
+                "another coordinator with in-process leases (e.g. a `tidemark sync`) is running on this control state; \
+                 stop it first, or give this one its own state"
+                    .into(),
+            ));
+        }
+        // The session holds the lock: it leaves the pool, which would close it when idle.
+        Ok(session.detach())
+    }
+
+    /// The largest fence token any shard ever recorded: in-process leases count on from it.
+    pub async fn max_fence(&self) -> Result<u64, CoordinatorError> {
+        let fence: i64 = sqlx::query_scalar("SELECT coalesce(max(fence), 0) FROM checkpoints")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(fence as u64)
     }
 
     /// The task's live epoch.

@@ -22,8 +22,16 @@ use crate::planner::{PreparedTask, SourceColumn, SourceInfo};
 /// The coordinator's side of a source engine.
 #[async_trait::async_trait]
 pub(crate) trait SourceSide: Sync {
+    /// A pool on a source URL (`task` names the errors).
+    async fn connect_url(&self, task: &str, url: &str) -> Result<SourcePool, CoordinatorError>;
+
     /// A pool on the task's source.
-    async fn connect(&self, config: &TaskConfig) -> Result<SourcePool, CoordinatorError>;
+    async fn connect(&self, config: &TaskConfig) -> Result<SourcePool, CoordinatorError> {
+        self.connect_url(&config.name, &config.source).await
+    }
+
+    /// The table's primary key columns in key order; empty when it has none.
+    async fn primary_key(&self, source: &SourcePool, table: &TableName) -> Result<Vec<String>, CoordinatorError>;
 
     /// Connects and checks the task's contract against its table (ending in
     /// [`crate::planner::source_info`]).
@@ -197,6 +205,11 @@ pub(crate) fn side_of_source(task: &str, source: &SourcePool) -> Result<&'static
     Ok(sides_of(source.engine())
         .map_err(|e| CoordinatorError::task_setup(task, format!("source: {e}")))?
         .source)
+}
+
+/// The coordinator's side of a source URL's engine.
+pub(crate) fn source_side_of_url(task: &str, url: &str) -> Result<&'static dyn SourceSide, CoordinatorError> {
+    Ok(sides(task, "source", url)?.0.source)
 }
 
 /// The coordinator's side of the task's source engine.

@@ -14,7 +14,7 @@ use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use tokio::sync::RwLock;
 
 use crate::error::CoordinatorError;
-use crate::leases::Leases;
+use crate::leases::{EtcdLeases, Leases, Store};
 
 #[derive(Clone, Default)]
 pub struct Leadership {
@@ -53,11 +53,19 @@ impl Leadership {
 }
 
 /// Campaigns for leadership forever; `me` is this replica's address as clients reach it.
+/// With in-process leases there is no other replica: this one leads at once.
 pub async fn campaign(leases: Leases, me: String, state: Leadership) {
-    let key = format!("{}/leader", leases.prefix());
+    let etcd = match leases.store() {
+        Store::Etcd(etcd) => etcd.as_ref().clone(),
+        Store::Local(_) => {
+            state.set(true, Some(me)).await;
+            return;
+        }
+    };
+    let key = format!("{}/leader", etcd.prefix());
     let ttl = leases.ttl();
     loop {
-        if let Err(error) = lead_once(&leases, &key, &me, ttl, &state).await {
+        if let Err(error) = lead_once(&etcd, &key, &me, ttl, &state).await {
             tracing::warn!(%error, "leader election: etcd error; retrying");
             state.set(false, state.leader_address().await).await;
         }
@@ -67,7 +75,7 @@ pub async fn campaign(leases: Leases, me: String, state: Leadership) {
 
 /// Tries to take the leader key; while held, keeps its lease alive until etcd says it expired.
 async fn lead_once(
-    leases: &Leases,
+    leases: &EtcdLeases,
     key: &str,
     me: &str,
     ttl: Duration,

@@ -4,6 +4,8 @@
 pub mod admin_cli;
 pub mod capacity;
 pub mod checkpoints;
+pub mod cli;
+pub mod discover;
 pub(crate) mod engines;
 pub mod epochs;
 pub mod error;
@@ -16,6 +18,7 @@ pub mod operations;
 pub mod planner;
 pub mod postgres;
 pub mod reconcile_runs;
+pub mod serve;
 pub mod service;
 pub mod source_install;
 pub mod status;

@@ -350,7 +350,10 @@ async fn waiting_shards_are_reported_and_take_turns() {
         "{warning}"
     );
     let text = tidemark_tests::otlp::scrape(&metrics).await;
-    assert!(text.contains("tidemark_shards_unassigned{task=\"items\"} 1.0"), "{text}");
+    assert!(
+        text.contains("tidemark_shards_unassigned{task=\"items\"} 1.0"),
+        "{text}"
+    );
 
     // Turns: every shard's snapshot completes and later writes arrive, with one worker.
     write_changes(&cluster.source, KeyKind::Bigint, 3_000, 2).await;
@@ -368,5 +371,8 @@ async fn waiting_shards_are_reported_and_take_turns() {
         })
         .await;
     let text = tidemark_tests::otlp::scrape(&metrics).await;
-    assert!(text.contains("tidemark_shards_unassigned{task=\"items\"} 0.0"), "{text}");
+    assert!(
+        text.contains("tidemark_shards_unassigned{task=\"items\"} 0.0"),
+        "{text}"
+    );
 }

@@ -2,6 +2,7 @@
 //! their rows from source to target through immutable staged batches.
 
 pub mod apply;
+pub mod cli;
 pub mod client;
 pub mod error;
 pub mod metrics;
@@ -9,4 +10,5 @@ pub mod page_format;
 pub mod pipeline;
 pub mod reconcile;
 pub mod resources;
+pub mod runner;
 pub mod source;

@@ -35,10 +35,14 @@ fn target_pool(target: &TargetPool) -> Result<&MySqlPool, CoordinatorError> {
 
 #[async_trait::async_trait]
 impl SourceSide for MySql {
-    async fn connect(&self, config: &TaskConfig) -> Result<SourcePool, CoordinatorError> {
+    async fn connect_url(&self, task: &str, url: &str) -> Result<SourcePool, CoordinatorError> {
         Ok(tidemark_common::mysql::connector::source_pool(source::connect_mysql(
-            config,
+            task, url,
         )?))
+    }
+
+    async fn primary_key(&self, source: &SourcePool, table: &TableName) -> Result<Vec<String>, CoordinatorError> {
+        source::primary_key(source_pool(source)?, table).await
     }
 
     async fn inspect(&self, config: &TaskConfig) -> Result<SourceInfo, CoordinatorError> {

@@ -230,7 +230,20 @@ pub(crate) async fn introspect_mysql(
     }))
 }
 
-/// A pool on the task's source that connects on first use.
-pub(crate) fn connect_mysql(config: &TaskConfig) -> Result<sqlx::MySqlPool, CoordinatorError> {
-    mysql::pool(&config.source, 2).map_err(|e| CoordinatorError::task_setup(&config.name, format!("source URL: {e}")))
+/// A pool on a source URL that connects on first use.
+pub(crate) fn connect_mysql(task: &str, url: &str) -> Result<sqlx::MySqlPool, CoordinatorError> {
+    mysql::pool(url, 2).map_err(|e| CoordinatorError::task_setup(task, format!("source URL: {e}")))
+}
+
+/// The table's primary key columns in key order.
+pub(crate) async fn primary_key(pool: &sqlx::MySqlPool, table: &TableName) -> Result<Vec<String>, CoordinatorError> {
+    sqlx::query_scalar(
+        "SELECT CAST(column_name AS CHAR) FROM information_schema.key_column_usage \
+         WHERE table_schema = ? AND table_name = ? AND constraint_name = 'PRIMARY' ORDER BY ordinal_position",
+    )
+    .bind(&table.schema)
+    .bind(&table.name)
+    .fetch_all(pool)
+    .await
+    .map_err(CoordinatorError::Source)
 }

@@ -76,6 +76,20 @@ pub(crate) async fn introspect(
     ))
 }
 
+/// The table's primary key columns in key order.
+pub(crate) async fn primary_key(pool: &PgPool, table: &TableName) -> Result<Vec<String>, CoordinatorError> {
+    sqlx::query_scalar(
+        "SELECT a.attname::text FROM pg_index i \
+         CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, position) \
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+         WHERE i.indrelid = to_regclass($1) AND i.indisprimary ORDER BY k.position",
+    )
+    .bind(table.quoted())
+    .fetch_all(pool)
+    .await
+    .map_err(CoordinatorError::Source)
+}
+
 /// Whether a unique, non-partial index (or the primary key) covers exactly `key`.
 pub(crate) async fn key_is_unique(pool: &PgPool, table: &TableName, key: &[String]) -> Result<bool, CoordinatorError> {
     let indexes: Vec<Vec<String>> = sqlx::query_scalar(

@@ -1,10 +1,5 @@
-//! Shard ownership in etcd.
-//!
-//! Each worker holds one etcd lease (TTL = `lease_ttl`) that the coordinator keeps alive on
-//! its heartbeats. Owning a shard means an ownership key attached to that lease; when the
-//! worker stops heartbeating the lease expires, the keys vanish and the shards are free.
-//! The fence token of an ownership is the key's create revision: cluster-wide monotonic, so a
-//! later owner always holds a larger token than any earlier one.
+//! Leases and shard ownership in etcd. An ownership is a key attached to the worker's etcd
+//! lease; its fence token is the key's create revision: cluster-wide monotonic.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -16,20 +11,17 @@ use crate::checkpoints::ShardKey;
 use crate::error::CoordinatorError;
 
 #[derive(Clone)]
-pub struct Leases {
+pub(crate) struct EtcdLeases {
     client: Client,
     prefix: String,
-    ttl: Duration,
 }
 
-impl Leases {
-    /// `tls`: for `https://` endpoints (`etcd_tls`).
-    pub async fn connect(
+impl EtcdLeases {
+    pub(crate) async fn connect(
         endpoints: &[String],
         prefix: &str,
-        ttl: Duration,
         tls: Option<&ClientTls>,
-    ) -> Result<Leases, CoordinatorError> {
+    ) -> Result<EtcdLeases, CoordinatorError> {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(3))
             .with_timeout(Duration::from_secs(5));
@@ -40,15 +32,10 @@ impl Leases {
             options = options.with_tls(config);
         }
         let client = Client::connect(endpoints, Some(options)).await?;
-        Ok(Leases {
+        Ok(EtcdLeases {
             client,
             prefix: prefix.trim_end_matches('/').to_string(),
-            ttl,
         })
-    }
-
-    pub fn ttl(&self) -> Duration {
-        self.ttl
     }
 
     pub(crate) fn client(&self) -> Client {
@@ -70,15 +57,13 @@ impl Leases {
         format!("{}/owners/", self.prefix)
     }
 
-    /// A fresh lease for a worker.
-    pub async fn grant_worker_lease(&self) -> Result<i64, CoordinatorError> {
-        let ttl_secs = self.ttl.as_secs().max(1) as i64;
+    pub(crate) async fn grant(&self, ttl: Duration) -> Result<i64, CoordinatorError> {
+        let ttl_secs = ttl.as_secs().max(1) as i64;
         let response = self.client.clone().lease_grant(ttl_secs, None).await?;
         Ok(response.id())
     }
 
-    /// Refreshes a worker's lease once; false when it has already expired.
-    pub async fn keep_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {
+    pub(crate) async fn keep_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {
         let (mut keeper, mut stream) = self.client.clone().lease_keep_alive(lease_id).await?;
         keeper.keep_alive().await?;
         match stream.message().await? {
@@ -87,13 +72,13 @@ impl Leases {
         }
     }
 
-    pub async fn lease_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {
+    pub(crate) async fn lease_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {
         let response = self.client.clone().lease_time_to_live(lease_id, None).await?;
         Ok(response.ttl() > 0)
     }
 
-    /// Creates the ownership key if no one holds it; returns the fence token on success.
-    pub async fn try_claim(
+    /// Creates the ownership key if no one holds it; the fence token is its revision.
+    pub(crate) async fn try_claim(
         &self,
         shard: &ShardKey,
         worker_id: &str,
@@ -115,7 +100,7 @@ impl Leases {
     }
 
     /// Deletes the ownership key if it is still the one created under `fence`.
-    pub async fn release(&self, shard: &ShardKey, fence: u64) -> Result<(), CoordinatorError> {
+    pub(crate) async fn release(&self, shard: &ShardKey, fence: u64) -> Result<(), CoordinatorError> {
         let key = self.owner_key(shard);
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, fence as i64)])
@@ -124,8 +109,7 @@ impl Leases {
         Ok(())
     }
 
-    /// Current owners: shard → (worker id, fence token).
-    pub async fn owners(&self) -> Result<HashMap<ShardKey, (String, u64)>, CoordinatorError> {
+    pub(crate) async fn owners(&self) -> Result<HashMap<ShardKey, (String, u64)>, CoordinatorError> {
         let prefix = self.owners_prefix();
         let response = self
             .client
