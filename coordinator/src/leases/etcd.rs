@@ -63,12 +63,17 @@ impl EtcdLeases {
         Ok(response.id())
     }
 
+    /// False when the lease has expired (etcd answers "lease not found").
     pub(crate) async fn keep_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {
-        let (mut keeper, mut stream) = self.client.clone().lease_keep_alive(lease_id).await?;
-        keeper.keep_alive().await?;
-        match stream.message().await? {
-            Some(response) => Ok(response.ttl() > 0),
-            None => Ok(false),
+        let renewed = async {
+            let (mut keeper, mut stream) = self.client.clone().lease_keep_alive(lease_id).await?;
+            keeper.keep_alive().await?;
+            Ok::<_, etcd_client::Error>(stream.message().await?.is_some_and(|response| response.ttl() > 0))
+        };
+        match renewed.await {
+            Ok(alive) => Ok(alive),
+            Err(etcd_client::Error::LeaseKeepAliveError(message)) if message.contains("lease not found") => Ok(false),
+            Err(error) => Err(error.into()),
         }
     }
 

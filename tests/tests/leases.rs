@@ -1,0 +1,90 @@
+//! The lease interface's rules, one suite run against both stores: etcd (a real etcd process)
+//! and the coordinator's in-process leases (`tidemark sync`). A shard is claimed only when
+//! free; every claim's fence token is larger than every earlier one; a release takes effect
+//! only under the fence it was claimed with; a lease that is not kept alive expires within its
+//! TTL and frees what it owned, while one kept alive keeps it.
+
+use std::time::Duration;
+
+use tidemark_coordinator::checkpoints::ShardKey;
+use tidemark_coordinator::leases::Leases;
+use tidemark_tests::Etcd;
+
+const TTL: Duration = Duration::from_secs(2);
+
+fn shard(id: u32) -> ShardKey {
+    ShardKey {
+        task: "items".into(),
+        epoch: 1,
+        shard_id: id,
+    }
+}
+
+async fn lease_rules(leases: Leases, fence_floor: u64) {
+    let a = leases.grant_worker_lease().await.unwrap();
+    let b = leases.grant_worker_lease().await.unwrap();
+    assert_ne!(a, b);
+    assert!(leases.lease_alive(a).await.unwrap());
+
+    let first = leases
+        .try_claim(&shard(0), "a", a)
+        .await
+        .unwrap()
+        .expect("a free shard");
+    assert!(first > fence_floor, "fence {first} not above {fence_floor}");
+    assert_eq!(leases.try_claim(&shard(0), "b", b).await.unwrap(), None, "a held shard");
+    let other = leases
+        .try_claim(&shard(1), "b", b)
+        .await
+        .unwrap()
+        .expect("another free shard");
+    assert!(other > first);
+    let owners = leases.owners().await.unwrap();
+    assert_eq!(owners.get(&shard(0)), Some(&("a".to_string(), first)));
+    assert_eq!(owners.get(&shard(1)), Some(&("b".to_string(), other)));
+
+    // A stale fence releases nothing; the right one frees the shard for the next claim.
+    leases.release(&shard(0), first + 1000).await.unwrap();
+    assert!(leases.owners().await.unwrap().contains_key(&shard(0)));
+    leases.release(&shard(0), first).await.unwrap();
+    assert!(!leases.owners().await.unwrap().contains_key(&shard(0)));
+    let second = leases.try_claim(&shard(0), "b", b).await.unwrap().expect("freed");
+    assert!(second > other);
+
+    // `a` is kept alive, `b` is not: b's lease expires and takes its shards with it.
+    let claimed_by_a = leases.try_claim(&shard(2), "a", a).await.unwrap().expect("free");
+    let deadline = std::time::Instant::now() + TTL * 3;
+    while std::time::Instant::now() < deadline {
+        assert!(leases.keep_alive(a).await.unwrap(), "a kept alive");
+        tokio::time::sleep(TTL / 4).await;
+    }
+    assert!(!leases.lease_alive(b).await.unwrap(), "b's lease outlived its TTL");
+    assert!(!leases.keep_alive(b).await.unwrap(), "an expired lease came back");
+    let owners = leases.owners().await.unwrap();
+    assert!(
+        !owners.contains_key(&shard(0)) && !owners.contains_key(&shard(1)),
+        "{owners:?}"
+    );
+    assert_eq!(owners.get(&shard(2)), Some(&("a".to_string(), claimed_by_a)));
+    let third = leases
+        .try_claim(&shard(0), "a", a)
+        .await
+        .unwrap()
+        .expect("freed by expiry");
+    assert!(third > claimed_by_a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_leases_keep_the_rules() {
+    let etcd = Etcd::start();
+    let leases = Leases::connect(std::slice::from_ref(&etcd.endpoint), "/lease-suite", TTL, None)
+        .await
+        .unwrap();
+    lease_rules(leases, 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_leases_keep_the_rules() {
+    // Fences continue above the largest one the control database recorded.
+    lease_rules(Leases::in_process(TTL, 5_000), 5_000).await;
+}
