@@ -2,24 +2,31 @@
 # Idempotent machine setup for Tidemark's demo and tests on a fresh Debian machine:
 # installs etcd, etcdctl, protoc (etcd-client's build needs it) and openssl from Debian's packages when missing,
 # and starts the local PostgreSQL when it is not running.
+# `--build-only`: only what building Tidemark and `tidemark sync` need (protoc, psql, a
+# running PostgreSQL), for scripts/quickstart.sh.
 set -euo pipefail
+minimal=false
+[ "${1:-}" = "--build-only" ] && minimal=true
 
 need=()
-command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
-# etcdctl: scripts/etcd.sh checks the demo's etcd with it.
-command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 [ -f /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
 command -v psql >/dev/null 2>&1 || need+=(postgresql-client)
-# openssl: tests/tests/tls.rs makes its certificates with it.
-command -v openssl >/dev/null 2>&1 || need+=(openssl)
-python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
+if ! $minimal; then
+  command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+  # etcdctl: scripts/etcd.sh checks the demo's etcd with it.
+  command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
+  # openssl: tests/tests/tls.rs makes its certificates with it.
+  command -v openssl >/dev/null 2>&1 || need+=(openssl)
+  python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+if ! $minimal; then
 # deploy/validate.py needs PyYAML for the machine's python3 (Debian's package serves the
 # system python; a pyenv python gets it from PyPI).
 python3 -c 'import yaml' 2>/dev/null || python3 -m pip install -q pyyaml
@@ -41,6 +48,7 @@ fi
 if [ ! -x "$venv/bin/kubernetes-validate" ]; then
   echo "setup: installing kubernetes-validate into $venv"
   "$venv/bin/pip" install -q 'kubernetes-validate==1.37.0'
+fi
 fi
 
 if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
