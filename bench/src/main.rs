@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use futures::TryStreamExt;
 use tidemark_tests::otlp::{sample, scrape};
-use tidemark_tests::{Cluster, TaskSettings, TestDb, free_port};
+use tidemark_tests::{Cluster, Process, TaskSettings, TempDir, TestDb, binary, free_port};
 
 mod mariadb;
 
@@ -50,6 +50,11 @@ pub(crate) struct Args {
     /// `mariadb --batch | LOAD DATA LOCAL INFILE` measured in the same run.
     #[arg(long, default_value = "postgres")]
     pub(crate) target: String,
+    /// Then run the same snapshot (source generated again) through `tidemark sync --once`
+    /// (one process, in-process leases, control state in the target) with the same workers,
+    /// shards and page size, and print it beside the cluster's.
+    #[arg(long)]
+    compare_sync: bool,
 }
 
 const TABLE: &str = "CREATE TABLE bench_items (
@@ -293,9 +298,23 @@ async fn main() -> anyhow::Result<()> {
     } else {
         None
     };
+    let sync_secs = if args.compare_sync {
+        let secs = sync_snapshot(&args).await;
+        println!(
+            "  tidemark sync --once    {secs:>10.1} s  {:>10.0} rows/s (one process, from its start to its exit; \
+             {:.2} of the cluster's rows/s, {:.2} of the baseline)",
+            rows as f64 / secs,
+            snapshot_secs / secs,
+            base_secs / secs
+        );
+        Some(secs)
+    } else {
+        None
+    };
     if args.json {
         let value = serde_json::json!({
             "s3_snapshot_seconds": s3_secs,
+            "sync_seconds": sync_secs,
             "rows": rows, "baseline_seconds": base_secs, "baseline_rows_per_second": base_rate,
             "snapshot_seconds": snapshot_secs, "snapshot_rows_per_second": rate, "ratio": rate / base_rate,
             "updates": updated, "update_latency_seconds": update_secs, "update_statement_seconds": statement_secs, "worker_peak_rss_mib": rss,
@@ -348,6 +367,75 @@ async fn snapshot(cluster: &mut Cluster, args: &Args, staging: String) -> (f64, 
         })
         .await;
     (started.elapsed().as_secs_f64(), metrics)
+}
+
+/// The snapshot through `tidemark sync --once` with the cluster run's workers, shards and
+/// page size, into a fresh target that also holds the control state; seconds from the
+/// process's start (planning included) to its exit.
+async fn sync_snapshot(args: &Args) -> f64 {
+    let source = TestDb::create("bench_sync_src").await;
+    let target = TestDb::create("bench_sync_dst").await;
+    let dir = TempDir::new("bench_sync");
+    generate(&source, args.rows).await;
+    let config = dir.0.join("sync.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"[coordinator]
+listen = "127.0.0.1:0"
+control_db = "{target}"
+control_schema = "tidemark_bench"
+staging = "file://{staging}"
+
+[[tasks]]
+name = "bench"
+source = "{source}"
+source_table = "public.bench_items"
+target = "{target}"
+target_table = "public.bench_items"
+key = ["id"]
+cursor_column = "updated_at"
+shards = {shards}
+page_size = {page_size}
+safety_delay = "2s"
+poll_interval = "500ms"
+overlap = "2s"
+"#,
+            target = target.url,
+            source = source.url,
+            staging = dir.0.join("staging").display(),
+            shards = args.shards,
+            page_size = args.page_size,
+        ),
+    )
+    .unwrap();
+    let workers = args.workers.to_string();
+    let started = Instant::now();
+    let mut sync = Process::spawn(
+        "sync",
+        &binary("tidemark"),
+        &[
+            "sync",
+            "--once",
+            "--workers",
+            &workers,
+            "--config",
+            &config.display().to_string(),
+        ],
+        &[("TIDEMARK_COPY_FORMAT", &args.copy_format), ("RUST_LOG", "warn")],
+        &dir.0,
+    );
+    let timeout = Duration::from_secs((args.rows as u64 / 2_000).max(300));
+    let status = sync.wait_exit(timeout).expect("tidemark sync --once exits");
+    let secs = started.elapsed().as_secs_f64();
+    assert!(status.success(), "tidemark sync failed: {}", sync.log_text());
+    let check = "SELECT count(*)::text || ' / ' || sum(amount)::text FROM bench_items";
+    assert_eq!(
+        scalar(&source, check).await,
+        scalar(&target, check).await,
+        "target equals source after tidemark sync"
+    );
+    secs
 }
 
 /// Seconds per protocol step, summed over the workers' `tidemark_batch_step_seconds`.

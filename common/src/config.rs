@@ -765,6 +765,29 @@ cursor_column = "updated_at"
     }
 
     #[test]
+    fn in_process_leases_need_no_etcd_and_refuse_its_endpoints() {
+        let etcdless = MINIMAL.replace("etcd_endpoints = [\"http://127.0.0.1:2379\"]", "");
+        let error = Config::parse(&etcdless, "t.toml", env).unwrap_err().to_string();
+        assert!(error.contains("coordinator.etcd_endpoints is empty"), "{error}");
+        let local = etcdless.replace(
+            "[coordinator]",
+            "[coordinator]\nleases = \"in_process\"\ncontrol_schema = \"tidemark_items\"",
+        );
+        let config = Config::parse(&local, "t.toml", env).unwrap();
+        assert_eq!(config.coordinator.leases, LeaseStore::InProcess);
+        assert_eq!(config.coordinator.control_schema.as_deref(), Some("tidemark_items"));
+        let both = MINIMAL.replace("[coordinator]", "[coordinator]\nleases = \"in_process\"");
+        let error = Config::parse(&both, "t.toml", env).unwrap_err().to_string();
+        assert!(error.contains("etcd_endpoints goes with leases = \"etcd\""), "{error}");
+        let bad_schema = local.replace("tidemark_items", "Tidemark-Items");
+        let error = Config::parse(&bad_schema, "t.toml", env).unwrap_err().to_string();
+        assert!(
+            error.contains("control_schema \"Tidemark-Items\" is not a lower-case identifier"),
+            "{error}"
+        );
+    }
+
+    #[test]
     fn defaults_and_env_interpolation() {
         let config = Config::parse(MINIMAL, "t.toml", env).unwrap();
         assert_eq!(
