@@ -11,6 +11,7 @@ use sqlx::{Acquire, Row};
 use tidemark_common::cursor::Cursor;
 use tidemark_common::pg::{Column, connect_options, quote_ident};
 
+use crate::batches::{self, BatchState, Registration, Staged};
 use crate::error::{CoordinatorError, display_url};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/control");
@@ -353,11 +354,14 @@ impl ControlDb {
             return Ok(false);
         }
         Self::insert_epoch(&mut tx, plan).await?;
-        sqlx::query("UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch < $2 AND state = 'STAGED'")
-            .bind(&plan.task)
-            .bind(plan.epoch as i64)
-            .execute(&mut *tx)
-            .await?;
+        batches::abandon(
+            &mut tx,
+            Staged::EpochsBefore {
+                task: &plan.task,
+                epoch: plan.epoch,
+            },
+        )
+        .await?;
         sqlx::query(
             "UPDATE tasks SET current_epoch = $2, paused_reason = NULL, max_source_clock_micros = NULL WHERE name = $1",
         )
@@ -446,11 +450,7 @@ impl ControlDb {
             .execute(&mut *tx)
             .await?;
         }
-        sqlx::query("UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND state = 'STAGED'")
-            .bind(task)
-            .bind(epoch as i64)
-            .execute(&mut *tx)
-            .await?;
+        batches::abandon(&mut tx, Staged::Epoch { task, epoch }).await?;
         tx.commit().await?;
         Ok(true)
     }
@@ -673,13 +673,14 @@ impl ControlDb {
     ) -> Result<Option<PendingBatchRecord>, CoordinatorError> {
         let row = sqlx::query(
             "SELECT batch_id, manifest_path, lower, upper, row_count, content_hash FROM batches \
-             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND state = 'STAGED' AND lower = $4 \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND state = $5 AND lower = $4 \
              ORDER BY staged_at LIMIT 1",
         )
         .bind(&shard.task)
         .bind(shard.epoch as i64)
         .bind(shard.shard_id as i32)
         .bind(cursor_json(cursor))
+        .bind(BatchState::Staged.as_str())
         .fetch_optional(&self.pool)
         .await?;
         row.map(|row| {
@@ -789,22 +790,20 @@ impl ControlDb {
             tx.commit().await?;
             return Ok(());
         }
-        sqlx::query(
-            "INSERT INTO batches (batch_id, task, epoch, shard_id, lower, upper, row_count, byte_size, \
-             content_hash, manifest_path, fence, state) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,'STAGED')",
+        batches::register(
+            &mut tx,
+            Registration {
+                batch_id: batch.batch_id,
+                shard: batch.shard,
+                lower: cursor_json(batch.lower),
+                upper: cursor_json(batch.upper),
+                row_count: batch.row_count as i64,
+                byte_size: batch.byte_size as i64,
+                content_hash: batch.content_hash,
+                manifest_path: batch.manifest_path,
+                fence: batch.fence,
+            },
         )
-        .bind(batch.batch_id)
-        .bind(&batch.shard.task)
-        .bind(batch.shard.epoch as i64)
-        .bind(batch.shard.shard_id as i32)
-        .bind(cursor_json(batch.lower))
-        .bind(cursor_json(batch.upper))
-        .bind(batch.row_count as i64)
-        .bind(batch.byte_size as i64)
-        .bind(batch.content_hash)
-        .bind(batch.manifest_path)
-        .bind(batch.fence as i64)
-        .execute(&mut *tx)
         .await?;
         tx.commit().await?;
         Ok(())
@@ -854,31 +853,23 @@ impl ControlDb {
             )));
         }
         if !commit.empty {
-            let updated = sqlx::query(
-                "UPDATE batches SET state = 'COMMITTED', committed_at = now(), replayed = $2 \
-                 WHERE batch_id = $1 AND state = 'STAGED' AND upper = $3",
-            )
-            .bind(commit.batch_id)
-            .bind(commit.replayed)
-            .bind(cursor_json(commit.upper))
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if updated != 1 {
+            let committed =
+                batches::commit(&mut tx, commit.batch_id, cursor_json(commit.upper), commit.replayed).await?;
+            if !committed {
                 return Err(CoordinatorError::Batch {
                     batch_id: commit.batch_id.to_string(),
                     message: "is not a staged batch with these bounds".into(),
                 });
             }
             // Anything else staged from this position can never commit now.
-            sqlx::query(
-                "UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND shard_id = $3 \
-                 AND state = 'STAGED'",
+            batches::abandon(
+                &mut tx,
+                Staged::Shards {
+                    task: &shard.task,
+                    epoch: shard.epoch,
+                    shard_ids: &[shard.shard_id as i32],
+                },
             )
-            .bind(&shard.task)
-            .bind(shard.epoch as i64)
-            .bind(shard.shard_id as i32)
-            .execute(&mut *tx)
             .await?;
         }
         let phase = if commit.upper.is_incremental() {
@@ -946,16 +937,7 @@ impl ControlDb {
     pub async fn abandon_batch(&self, shard: &ShardKey, fence: u64, batch_id: &str) -> Result<u64, CoordinatorError> {
         let mut tx = self.pool.begin().await?;
         Self::lock_checkpoint(tx.acquire().await?, shard, fence).await?;
-        sqlx::query(
-            "UPDATE batches SET state = 'ABANDONED' WHERE batch_id = $1 AND task = $2 AND epoch = $3 \
-             AND shard_id = $4 AND state = 'STAGED'",
-        )
-        .bind(batch_id)
-        .bind(&shard.task)
-        .bind(shard.epoch as i64)
-        .bind(shard.shard_id as i32)
-        .execute(&mut *tx)
-        .await?;
+        batches::abandon(&mut tx, Staged::Batch { batch_id, shard }).await?;
         let version: i64 = sqlx::query_scalar(
             "UPDATE checkpoints SET version = version + 1, updated_at = now() \
              WHERE task = $1 AND epoch = $2 AND shard_id = $3 RETURNING version",

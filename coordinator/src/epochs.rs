@@ -30,6 +30,7 @@ use tidemark_common::cursor::{Cursor, format_micros};
 use tidemark_common::pg::TableName;
 use tidemark_proto::v1 as pb;
 
+use crate::batches::{self, Staged};
 use crate::checkpoints::{ControlDb, EpochPlan};
 use crate::engines;
 use crate::error::CoordinatorError;
@@ -362,13 +363,7 @@ impl ControlDb {
             to,
         )
         .await?;
-        run(
-            &mut tx,
-            "UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND state = 'STAGED'",
-            task,
-            from,
-        )
-        .await?;
+        batches::abandon(&mut tx, Staged::Epoch { task, epoch: from }).await?;
         tx.commit().await?;
         Ok(Some(from))
     }
@@ -399,13 +394,7 @@ async fn abandon(tx: &mut sqlx::PgConnection, task: &str, epoch: u64) -> Result<
         epoch,
     )
     .await?;
-    run(
-        tx,
-        "UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND state = 'STAGED'",
-        task,
-        epoch,
-    )
-    .await?;
+    batches::abandon(tx, Staged::Epoch { task, epoch }).await?;
     run(
         tx,
         "UPDATE tasks SET building_epoch = NULL WHERE name = $1 AND building_epoch = $2",

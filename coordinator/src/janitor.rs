@@ -9,6 +9,7 @@ use std::time::Duration;
 use sqlx::Row;
 use tidemark_common::staging::Staging;
 
+use crate::batches::BatchState;
 use crate::checkpoints::ControlDb;
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
@@ -51,7 +52,7 @@ pub async fn collect_once(
     let mut keep: HashMap<String, (String, String)> = HashMap::new();
     for row in rows {
         let state: String = row.get(1);
-        if state == "STAGED" {
+        if BatchState::parse(&state) == Some(BatchState::Staged) {
             let hash: String = row.get(3);
             keep.insert(
                 row.get(0),

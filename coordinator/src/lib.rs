@@ -2,6 +2,7 @@
 //! fenced checkpoints in the control database.
 
 pub mod admin_cli;
+pub mod batches;
 pub mod capacity;
 pub mod checkpoints;
 pub mod cli;

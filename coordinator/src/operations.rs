@@ -30,6 +30,7 @@ use tidemark_common::cursor::{Cursor, KeyValue, Position, ShardRange};
 use tidemark_common::pg::TableSql;
 use tidemark_common::source::{SourcePool, SourceReads};
 
+use crate::batches::{self, Staged};
 use crate::capacity::Capacity;
 use crate::checkpoints::{ControlDb, ShardKey};
 use crate::error::CoordinatorError;
@@ -642,13 +643,14 @@ async fn replace_shards(
         }
     }
     let parent_ids: Vec<i32> = parents.iter().map(|p| p.key.shard_id as i32).collect();
-    sqlx::query(
-        "UPDATE batches SET state = 'ABANDONED' WHERE task = $1 AND epoch = $2 AND shard_id = ANY($3) AND state = 'STAGED'",
+    batches::abandon(
+        &mut tx,
+        Staged::Shards {
+            task,
+            epoch,
+            shard_ids: &parent_ids,
+        },
     )
-    .bind(task)
-    .bind(epoch as i64)
-    .bind(&parent_ids)
-    .execute(&mut *tx)
     .await?;
     let mut next_id: i32 =
         sqlx::query_scalar("SELECT max(shard_id) + 1 FROM checkpoints WHERE task = $1 AND epoch = $2")

@@ -217,6 +217,7 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
         }
     }
 
+    let planned = started.elapsed();
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut workers = Vec::new();
     for n in 0..args.workers {
@@ -241,6 +242,7 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
     let mut progress = Progress::new(style);
     let mut interrupted = false;
     let mut last = None;
+    let mut reported: Option<Instant> = None;
     let (signal_tx, mut signalled) = oneshot::channel::<()>();
     tokio::spawn(async move {
         stop_signal().await;
@@ -260,11 +262,16 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
                 };
                 break Err(Ended::Failed(message));
             }
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {
+            // Checked five times a second (the end of `--once` is seen within 200 ms),
+            // reported once a second.
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {
                 let Ok(status) = fetch_status(&address).await else { continue };
-                // The lag shown is against this host's clock (the source's is read once, for
-                // the end point).
-                progress.report(&status, now_micros());
+                if reported.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+                    // The lag shown is against this host's clock (the source's is read once,
+                    // for the end point).
+                    progress.report(&status, now_micros());
+                    reported = Some(Instant::now());
+                }
                 if let Some(task) = status.tasks.iter().find(|t| !t.paused_reason.is_empty()) {
                     break Err(Ended::Paused(format!("task {}: {}", task.name, task.paused_reason)));
                 }
@@ -306,10 +313,11 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
                 None => String::new(),
             };
             println!(
-                "{}: {} rows applied{caught}, {:.1}s",
+                "{}: {} rows applied{caught}; {:.1}s ({:.1}s to plan)",
                 task.name,
                 thousands(task.rows_applied),
-                started.elapsed().as_secs_f64()
+                started.elapsed().as_secs_f64(),
+                planned.as_secs_f64()
             );
         }
     }
