@@ -284,6 +284,7 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
         }
     };
 
+    let synced = started.elapsed();
     // Drain: every worker finishes its batch in flight and releases its shards.
     let _ = stop_tx.send(true);
     if interrupted {
@@ -313,11 +314,13 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
                 None => String::new(),
             };
             println!(
-                "{}: {} rows applied{caught}; {:.1}s ({:.1}s to plan)",
+                "{}: {} rows applied{caught}; {:.1}s ({:.1}s to plan, {:.1}s to sync, {:.1}s to stop)",
                 task.name,
                 thousands(task.rows_applied),
                 started.elapsed().as_secs_f64(),
-                planned.as_secs_f64()
+                planned.as_secs_f64(),
+                (synced - planned).as_secs_f64(),
+                (started.elapsed() - synced).as_secs_f64(),
             );
         }
     }
