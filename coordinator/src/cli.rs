@@ -5,7 +5,6 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use tidemark_common::config::Config;
 use tidemark_common::telemetry::{self, LogFormat};
@@ -495,9 +494,5 @@ async fn run(command: Command) -> anyhow::Result<()> {
 
 async fn serve(config_path: PathBuf) -> anyhow::Result<()> {
     let config = Config::load(&config_path)?;
-    let address: std::net::SocketAddr = config.coordinator.listen.parse().expect("validated in config");
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
-        .with_context(|| format!("cannot listen on {address}"))?;
-    crate::serve::serve(config, listener, crate::serve::shutdown_signal()).await
+    crate::serve::serve(config, crate::serve::Listen::Config, crate::serve::shutdown_signal()).await
 }

@@ -28,10 +28,19 @@ fn is_transient(error: &CoordinatorError) -> bool {
     }
 }
 
-/// Runs a coordinator replica on `listener` until `shutdown` completes.
+/// Where a replica serves gRPC.
+pub enum Listen {
+    /// `coordinator.listen`, bound once the tasks are prepared: a bad task fails by name
+    /// even while another replica holds the port.
+    Config,
+    /// Already bound (`tidemark sync` binds port 0 and hands the address to its workers).
+    Bound(tokio::net::TcpListener),
+}
+
+/// Runs a coordinator replica until `shutdown` completes.
 pub async fn serve(
     config: Config,
-    listener: tokio::net::TcpListener,
+    listen: Listen,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let settings = &config.coordinator;
@@ -47,7 +56,10 @@ pub async fn serve(
         .await
         .with_context(|| format!("control database {}", redact_url(&settings.control_db)))?;
     let leadership = Leadership::default();
-    let address = listener.local_addr().context("listener address")?;
+    let address: std::net::SocketAddr = match &listen {
+        Listen::Config => settings.listen.parse().context("coordinator.listen")?,
+        Listen::Bound(listener) => listener.local_addr().context("listener address")?,
+    };
     let advertise = settings.advertise.clone().unwrap_or_else(|| {
         let scheme = if settings.tls.is_some() { "https" } else { "http" };
         format!("{scheme}://{address}")
@@ -137,6 +149,12 @@ pub async fn serve(
         address: advertise,
         capacity,
     });
+    let listener = match listen {
+        Listen::Bound(listener) => listener,
+        Listen::Config => tokio::net::TcpListener::bind(address)
+            .await
+            .with_context(|| format!("cannot listen on {address}"))?,
+    };
     tracing::info!(%address, tasks = config.tasks.len(), "coordinator serving");
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = &settings.tls {

@@ -94,6 +94,7 @@ async fn once_then_follow_keep_every_key_with_live_writes() {
                 rows += 250;
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
+            rows
         })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -120,7 +121,7 @@ async fn once_then_follow_keep_every_key_with_live_writes() {
         behind.iter().take(3).collect::<Vec<_>>()
     );
     writing.store(false, Ordering::SeqCst);
-    writer.await.unwrap();
+    let rows = writer.await.unwrap();
 
     let mut follow_args = args.clone();
     follow_args.push("--follow");
@@ -137,7 +138,7 @@ async fn once_then_follow_keep_every_key_with_live_writes() {
         "{}",
         second.log_text()
     );
-    write_changes(&source, KeyKind::Bigint, 100_000 + 250 * 40, 4).await;
+    write_changes(&source, KeyKind::Bigint, rows, 4).await;
     wait_converged(&source, &target, Duration::from_secs(60), "follow with writes").await;
     follow.signal("INT");
     let status = follow

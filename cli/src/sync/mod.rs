@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use tidemark_common::telemetry::{self, LogFormat};
 use tidemark_coordinator::admin_cli::fetch_status;
+use tidemark_coordinator::serve::Listen;
 use tidemark_proto::v1 as pb;
 use tidemark_worker::runner::{WorkerOptions, tune_malloc};
 use tokio::sync::{oneshot, watch};
@@ -193,9 +194,13 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
         listener.local_addr().map_err(|e| Ended::Failed(e.to_string()))?
     );
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
-    let mut coordinator = tokio::spawn(tidemark_coordinator::serve::serve(config.clone(), listener, async {
-        let _ = shutdown_rx.await;
-    }));
+    let mut coordinator = tokio::spawn(tidemark_coordinator::serve::serve(
+        config.clone(),
+        Listen::Bound(listener),
+        async {
+            let _ = shutdown_rx.await;
+        },
+    ));
 
     // Serving once `status` answers; a task that cannot start (no such column, no grant, …)
     // ends the coordinator first, with the reason.
@@ -218,6 +223,7 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
     }
 
     let planned = started.elapsed();
+    eprintln!("tidemark: admin commands reach this sync at --coordinator {address} (e.g. `tidemark status`)");
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut workers = Vec::new();
     for n in 0..args.workers {
