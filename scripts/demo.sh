@@ -171,13 +171,5 @@ else
 psql_q -d tidemark_demo_app -At -c "COPY (SELECT id, name, price, payload, updated_at, (extract(epoch from updated_at) * 1000000)::bigint FROM items ORDER BY id) TO STDOUT" >"$run/source.tsv"
 psql_q -d tidemark_demo_warehouse -At -c "COPY (SELECT id, name, price, payload, updated_at, _tidemark_version FROM items ORDER BY id) TO STDOUT" >"$run/target.tsv"
 fi
-keys=$(wc -l <"$run/source.tsv")
-if diff -q "$run/source.tsv" "$run/target.tsv" >/dev/null; then
-  echo "demo: PASS: $keys keys, target equals source per key (0 lost, 0 stale, 0 phantom)"
-else
-  lost=$(comm -23 <(cut -f1 "$run/source.tsv" | sort) <(cut -f1 "$run/target.tsv" | sort) | wc -l)
-  phantom=$(comm -13 <(cut -f1 "$run/source.tsv" | sort) <(cut -f1 "$run/target.tsv" | sort) | wc -l)
-  differing=$(diff "$run/source.tsv" "$run/target.tsv" | grep -c '^<' || true)
-  echo "demo: FAIL: $keys source keys; $lost lost, $phantom phantom, $differing rows differ (see $run/*.tsv)"
-  exit 1
-fi
+source scripts/verdict.sh
+verdict demo "$run"

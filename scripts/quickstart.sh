@@ -51,14 +51,6 @@ psql_q -d tidemark_quick_app -c "UPDATE items SET name = name || ' (updated)', u
 echo "quickstart: per-key verification (every column and the source version)"
 psql_q -d tidemark_quick_app -At -c "COPY (SELECT id, name, price, payload, created_at, updated_at, (extract(epoch from updated_at) * 1000000)::bigint FROM items ORDER BY id) TO STDOUT" >"$run/source.tsv"
 psql_q -d tidemark_quick_warehouse -At -c "COPY (SELECT id, name, price, payload, created_at, updated_at, _tidemark_version FROM items ORDER BY id) TO STDOUT" >"$run/target.tsv"
-keys=$(wc -l <"$run/source.tsv")
-if diff -q "$run/source.tsv" "$run/target.tsv" >/dev/null; then
-  echo "quickstart: PASS: $keys keys, target equals source per key (0 lost, 0 stale, 0 phantom)"
-else
-  lost=$(comm -23 <(cut -f1 "$run/source.tsv" | sort) <(cut -f1 "$run/target.tsv" | sort) | wc -l)
-  phantom=$(comm -13 <(cut -f1 "$run/source.tsv" | sort) <(cut -f1 "$run/target.tsv" | sort) | wc -l)
-  differing=$(diff "$run/source.tsv" "$run/target.tsv" | grep -c '^<' || true)
-  echo "quickstart: FAIL: $keys source keys; $lost lost, $phantom phantom, $differing rows differ (see $run/*.tsv)"
-  exit 1
-fi
+source scripts/verdict.sh
+verdict quickstart "$run"
 echo "quickstart: keep it in step with: ${sync[*]} --follow   (Ctrl-C stops it cleanly)"

@@ -206,14 +206,7 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
     // ends the coordinator first, with the reason.
     loop {
         tokio::select! {
-            ended = &mut coordinator => {
-                let message = match ended {
-                    Ok(Ok(())) => "the coordinator stopped".to_string(),
-                    Ok(Err(error)) => format!("{error:#}").replace('\n', " "),
-                    Err(error) => error.to_string(),
-                };
-                return Err(Ended::Usage(message));
-            }
+            ended = &mut coordinator => return Err(Ended::Usage(coordinator_ended(ended))),
             _ = tokio::time::sleep(Duration::from_millis(100)) => {
                 if fetch_status(&address).await.is_ok() {
                     break;
@@ -251,7 +244,7 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
     let mut reported: Option<Instant> = None;
     let (signal_tx, mut signalled) = oneshot::channel::<()>();
     tokio::spawn(async move {
-        stop_signal().await;
+        tidemark_coordinator::serve::shutdown_signal().await;
         let _ = signal_tx.send(());
     });
     let outcome: Result<(), Ended> = loop {
@@ -260,14 +253,7 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
                 interrupted = true;
                 break Ok(());
             }
-            ended = &mut coordinator => {
-                let message = match ended {
-                    Ok(Ok(())) => "the coordinator stopped".to_string(),
-                    Ok(Err(error)) => format!("{error:#}").replace('\n', " "),
-                    Err(error) => error.to_string(),
-                };
-                break Err(Ended::Failed(message));
-            }
+            ended = &mut coordinator => break Err(Ended::Failed(coordinator_ended(ended))),
             // Checked five times a second (the end of `--once` is seen within 200 ms),
             // reported once a second.
             _ = tokio::time::sleep(Duration::from_millis(200)) => {
@@ -333,6 +319,15 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
     Ok(())
 }
 
+/// Why the coordinator's task ended, in one line.
+fn coordinator_ended(ended: Result<anyhow::Result<()>, tokio::task::JoinError>) -> String {
+    match ended {
+        Ok(Ok(())) => "the coordinator stopped".to_string(),
+        Ok(Err(error)) => format!("{error:#}").replace('\n', " "),
+        Err(error) => error.to_string(),
+    }
+}
+
 fn now_micros() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -345,16 +340,6 @@ fn format_micros(micros: i64) -> String {
     chrono::DateTime::from_timestamp_micros(micros)
         .map(|t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string())
         .unwrap_or_else(|| micros.to_string())
-}
-
-/// Ctrl-C or SIGTERM.
-async fn stop_signal() {
-    let mut terminate =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
-    }
 }
 
 #[cfg(test)]

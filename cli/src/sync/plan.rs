@@ -29,11 +29,9 @@ pub fn check_url(flag: &str, url: &str) -> Result<&'static tidemark_common::engi
     tidemark_common::engines::of_url(url).map_err(|e| usage(format!("{flag}: {e}")))
 }
 
-/// The task name a table gets: its name, in the characters a task name and a schema allow.
-fn task_name(table: &str) -> String {
-    let name = table.rsplit('.').next().unwrap_or(table);
-    let cleaned: String = name
-        .chars()
+/// `text` in the characters a task name and a schema allow (lower-case letters, digits, `_`).
+fn identifier(text: &str) -> String {
+    text.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() {
                 c.to_ascii_lowercase()
@@ -41,7 +39,12 @@ fn task_name(table: &str) -> String {
                 '_'
             }
         })
-        .collect();
+        .collect()
+}
+
+/// The task name a table gets: its name, as an identifier.
+fn task_name(table: &str) -> String {
+    let cleaned = identifier(table.rsplit('.').next().unwrap_or(table));
     if cleaned.is_empty() {
         "sync".to_string()
     } else {
@@ -52,16 +55,7 @@ fn task_name(table: &str) -> String {
 /// The control database's schema for a task name: `tidemark_<name>` (one per sync, so two
 /// syncs into one target keep their state apart).
 pub fn control_schema(name: &str) -> String {
-    let mut schema: String = format!("tidemark_{name}")
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_lowercase()
-            } else {
-                '_'
-            }
-        })
-        .collect();
+    let mut schema = identifier(&format!("tidemark_{name}"));
     schema.truncate(63);
     schema
 }
