@@ -370,9 +370,14 @@ async fn waiting_shards_are_reported_and_take_turns() {
             !t.warnings.iter().any(|w| w.contains("have had no worker")) && t.shards.iter().all(|s| !s.owner.is_empty())
         })
         .await;
-    let text = tidemark_tests::otlp::scrape(&metrics).await;
-    assert!(
-        text.contains("tidemark_shards_unassigned{task=\"items\"} 0.0"),
-        "{text}"
-    );
+    // The gauge follows on the leader's next operations round (status asks etcd directly).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = tidemark_tests::otlp::scrape(&metrics).await;
+        if text.contains("tidemark_shards_unassigned{task=\"items\"} 0.0") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{text}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
