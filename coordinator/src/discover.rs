@@ -11,7 +11,6 @@ use crate::error::CoordinatorError;
 /// A source table as discovery saw it.
 #[derive(Debug, Clone)]
 pub struct Discovered {
-    pub table: TableName,
     /// (name, PostgreSQL type it maps to, NOT NULL), in table order.
     pub columns: Vec<(String, String, bool)>,
     pub primary_key: Vec<String>,
@@ -91,7 +90,6 @@ pub async fn discover(url: &str, table: &str) -> Result<Option<Discovered>, Coor
     };
     let primary_key = side.primary_key(&source, &table).await?;
     Ok(Some(Discovered {
-        table,
         columns: columns
             .into_iter()
             .map(|c| (c.column.name, c.column.sql_type, c.not_null))
@@ -106,7 +104,6 @@ mod tests {
 
     fn table(columns: &[(&str, &str, bool)]) -> Discovered {
         Discovered {
-            table: TableName::parse("public.t").unwrap(),
             columns: columns
                 .iter()
                 .map(|(n, t, nn)| (n.to_string(), t.to_string(), *nn))

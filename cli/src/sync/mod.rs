@@ -242,6 +242,11 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
     let mut interrupted = false;
     let mut last = None;
     let mut reported: Option<Instant> = None;
+    let poll = if follow {
+        Duration::from_secs(1)
+    } else {
+        Duration::from_millis(200)
+    };
     let (signal_tx, mut signalled) = oneshot::channel::<()>();
     tokio::spawn(async move {
         tidemark_coordinator::serve::shutdown_signal().await;
@@ -254,9 +259,9 @@ async fn run(args: SyncArgs) -> Result<(), Ended> {
                 break Ok(());
             }
             ended = &mut coordinator => break Err(Ended::Failed(coordinator_ended(ended))),
-            // Checked five times a second (the end of `--once` is seen within 200 ms),
-            // reported once a second.
-            _ = tokio::time::sleep(Duration::from_millis(200)) => {
+            // `--once` checks five times a second (its end is seen within 200 ms);
+            // `--follow`, which has no end to see, once a second. Reports once a second.
+            _ = tokio::time::sleep(poll) => {
                 let Ok(status) = fetch_status(&address).await else { continue };
                 if reported.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
                     // The lag shown is against this host's clock (the source's is read once,
