@@ -12,4 +12,12 @@ bash scripts/setup.sh
 python3 deploy/validate.py
 .tidemark-run/venv/bin/kubernetes-validate --strict --quiet deploy/k8s/*.yaml
 cargo build --bins
-cargo test --workspace --no-fail-fast -- --test-threads "${TIDEMARK_TEST_THREADS:-2}"
+# nextest (on this machine kind) runs every test in its own process, three at a time across
+# all suites (.config/nextest.toml: settings, and the MariaDB group of two); the suites wait
+# mostly on their services, so three keep two cores busy without a tail per suite. Without
+# nextest: cargo test, suite by suite, two threads each.
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --test-threads "${TIDEMARK_TEST_THREADS:-3}"
+else
+  cargo test --workspace --no-fail-fast -- --test-threads "${TIDEMARK_TEST_THREADS:-2}"
+fi

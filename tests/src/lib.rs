@@ -458,23 +458,39 @@ pub struct Cluster {
     pub client_env: Vec<(String, String)>,
     restarts: u32,
     /// This cluster's share of the server's connections; released last.
-    _slot: tokio::sync::OwnedSemaphorePermit,
+    _slot: ClusterSlot,
 }
 
-/// How many clusters one test process runs at once. Each holds about ten PostgreSQL
-/// connections (coordinator, workers, the harness's pools), and the server allows 100: nine
-/// at once ran it out (`too many clients`, seen as `PoolTimedOut`). Further clusters wait
-/// for a slot. `TIDEMARK_TEST_CLUSTERS` overrides the default of 5.
-async fn cluster_slot() -> tokio::sync::OwnedSemaphorePermit {
-    static SLOTS: std::sync::OnceLock<std::sync::Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
-    let slots = SLOTS.get_or_init(|| {
-        let n = std::env::var("TIDEMARK_TEST_CLUSTERS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(5);
-        std::sync::Arc::new(tokio::sync::Semaphore::new(n))
-    });
-    slots.clone().acquire_owned().await.unwrap()
+/// How many clusters run at once on this machine, across every test process (cargo test runs
+/// one process per suite, nextest one per test). Each holds about ten PostgreSQL connections
+/// (coordinator, workers, the harness's pools), and the server allows 100: nine at once ran it
+/// out (`too many clients`, seen as `PoolTimedOut`). A slot is an exclusive lock on one of
+/// `TIDEMARK_TEST_CLUSTERS` (default 5) files in the temp directory; the kernel drops it when
+/// the process ends, however it ends. Further clusters wait for a slot.
+pub struct ClusterSlot(#[allow(dead_code)] std::fs::File);
+
+async fn cluster_slot() -> ClusterSlot {
+    let slots: usize = std::env::var("TIDEMARK_TEST_CLUSTERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    let dir = std::env::temp_dir().join("tidemark-test-slots");
+    std::fs::create_dir_all(&dir).unwrap();
+    loop {
+        for n in 0..slots {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(dir.join(format!("slot-{n}")))
+                .unwrap();
+            if file.try_lock().is_ok() {
+                return ClusterSlot(file);
+            }
+        }
+        // Held by other tests: wait for one to finish.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 impl Cluster {
@@ -489,7 +505,7 @@ impl Cluster {
         Cluster::in_slot(tag, source, cluster_slot().await).await
     }
 
-    async fn in_slot(tag: &str, source: TestDb, slot: tokio::sync::OwnedSemaphorePermit) -> Cluster {
+    async fn in_slot(tag: &str, source: TestDb, slot: ClusterSlot) -> Cluster {
         Cluster {
             _slot: slot,
             source,
