@@ -1,0 +1,640 @@
+//! `cargo run --release -p tidemark-bench --bin load -- --workers 1000 --shards 10000`
+//!
+//! The coordinator under a large worker pool (issue 20). One real coordinator, etcd and
+//! control database; a source table with enough keys for `--shards` integer ranges; and
+//! `--workers` simulated workers in this process, each on its own gRPC connection, running the
+//! real protocol: register, heartbeat, acquire (every 50 ms while shards come, every second
+//! when none is free), and per held shard one batch per `--batch-interval`: RegisterBatch,
+//! CommitBatch (the checkpoint CAS), NextShardWork. Only the source reads and target writes
+//! are skipped. Halfway through, `--vanish` of the workers stop at once without releasing
+//! anything; the harness times until every shard they held is owned again, then lets them
+//! commit once more as zombies with their old fences (each such commit must be refused).
+//!
+//! Prints RPC latencies (p50/p99/max), commits per second, coordinator CPU and RSS, etcd's
+//! requests per second, keys and CPU, the control database's rows and size, `status`
+//! latency and the reacquisition time.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use sqlx::Row;
+use tidemark_common::cursor::Cursor;
+use tidemark_proto::v1 as pb;
+use tidemark_proto::v1::admin_service_client::AdminServiceClient;
+use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
+use tidemark_tests::{Cluster, KeyKind, TaskSettings, create_items};
+use tokio::sync::Mutex;
+use tonic::transport::Channel;
+
+#[derive(Parser, Clone)]
+#[command(about = "Tidemark's coordinator under many simulated workers over real gRPC")]
+struct Args {
+    #[arg(long, default_value_t = 100)]
+    workers: usize,
+    #[arg(long, default_value_t = 1000)]
+    shards: u32,
+    /// Shards one worker holds at most (the worker's `--max-shards`). 0: a quarter more than
+    /// an even share, so that the survivors have room for a vanished worker's shards.
+    #[arg(long, default_value_t = 0)]
+    max_shards: usize,
+    /// Pause between one shard's batches (its commit and its next registration).
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    batch_interval: Duration,
+    /// Measured time, after every shard is owned or the workers hold all they may.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    duration: Duration,
+    #[arg(long, default_value = "10s")]
+    lease_ttl: String,
+    /// Share of the workers that vanish halfway through (no release, no heartbeat).
+    #[arg(long, default_value_t = 0.1)]
+    vanish: f64,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let n: u64 = number.parse().map_err(|_| format!("bad duration {text:?}"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" | "" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        _ => Err(format!("bad duration {text:?}: use ms, s or m")),
+    }
+}
+
+/// Latencies in microseconds, per RPC.
+#[derive(Default)]
+struct Latencies(Mutex<HashMap<&'static str, Vec<u32>>>);
+
+impl Latencies {
+    async fn record(&self, rpc: &'static str, started: Instant) {
+        let micros = started.elapsed().as_micros().min(u32::MAX as u128) as u32;
+        self.0.lock().await.entry(rpc).or_default().push(micros);
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    commits: AtomicU64,
+    refused: AtomicU64,
+    errors: AtomicU64,
+    zombie_accepted: AtomicU64,
+    zombie_refused: AtomicU64,
+}
+
+/// Who holds which shard since when, as the simulated workers saw their acquisitions.
+type Owners = Mutex<HashMap<(u64, u32), (usize, Instant)>>;
+
+struct Shared {
+    latencies: Latencies,
+    counters: Counters,
+    owners: Owners,
+    measuring: AtomicBool,
+}
+
+struct Held {
+    assignment: pb::ShardAssignment,
+    cursor: String,
+    version: u64,
+}
+
+async fn worker(
+    number: usize,
+    address: String,
+    args: Args,
+    shared: Arc<Shared>,
+    vanish: tokio::sync::watch::Receiver<bool>,
+    vanishes: bool,
+    mut wake: tokio::sync::watch::Receiver<bool>,
+) {
+    let channel = Channel::from_shared(address).unwrap().connect_lazy();
+    let mut client = WorkerServiceClient::new(channel);
+    let worker_id = format!("sim-{number}");
+    let started = Instant::now();
+    let registration = match client
+        .register_worker(pb::RegisterWorkerRequest {
+            worker_id: worker_id.clone(),
+        })
+        .await
+    {
+        Ok(r) => r.into_inner(),
+        Err(status) => {
+            eprintln!("{worker_id}: register failed: {status}");
+            shared.counters.errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    };
+    shared.latencies.record("register_worker", started).await;
+    let lease_id = registration.lease_id;
+    let heartbeat = {
+        let mut client = client.clone();
+        let shared = shared.clone();
+        let worker_id = worker_id.clone();
+        let interval = Duration::from_millis(registration.heartbeat_interval_ms.max(100));
+        let vanish = vanish.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(interval).await;
+                if vanishes && *vanish.borrow() {
+                    return;
+                }
+                let started = Instant::now();
+                let request = pb::HeartbeatRequest {
+                    worker_id: worker_id.clone(),
+                    lease_id,
+                };
+                match client.heartbeat(request).await {
+                    Ok(r) if r.get_ref().lease_alive => shared.latencies.record("heartbeat", started).await,
+                    Ok(_) => {
+                        eprintln!("{worker_id}: lease lost");
+                        return;
+                    }
+                    Err(_) => {
+                        shared.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        })
+    };
+    let mut shards: tokio::task::JoinSet<Option<Held>> = tokio::task::JoinSet::new();
+    let mut idle = Duration::from_millis(50);
+    loop {
+        if vanishes && *vanish.borrow() {
+            break;
+        }
+        if shards.len() < args.max_shards {
+            tokio::time::sleep(idle).await;
+            let started = Instant::now();
+            match client
+                .acquire_shard(pb::AcquireShardRequest {
+                    worker_id: worker_id.clone(),
+                    lease_id,
+                })
+                .await
+            {
+                Ok(response) => {
+                    shared.latencies.record("acquire_shard", started).await;
+                    match response.into_inner().assignment {
+                        Some(assignment) => {
+                            idle = Duration::from_millis(50);
+                            shared
+                                .owners
+                                .lock()
+                                .await
+                                .insert((assignment.epoch, assignment.shard_id), (number, Instant::now()));
+                            shards.spawn(run_shard(
+                                client.clone(),
+                                worker_id.clone(),
+                                assignment,
+                                args.batch_interval,
+                                shared.clone(),
+                                if vanishes { Some(vanish.clone()) } else { None },
+                            ));
+                        }
+                        None => idle = Duration::from_secs(1),
+                    }
+                }
+                Err(_) => {
+                    shared.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    idle = Duration::from_secs(1);
+                }
+            }
+        } else if shards.join_next().await.is_none() {
+            break;
+        }
+        while let Some(ended) = shards.try_join_next() {
+            let _ = ended;
+        }
+    }
+    if !vanishes {
+        return;
+    }
+    // Vanished: no heartbeat, no release. Once live workers own its shards again, every
+    // shard it held tries one more commit with its old fence, as a paused process would on
+    // waking. (Before anyone else claims the shard the old fence is still the shard's
+    // newest, and its commit would be accepted: fencing orders owners, it does not time them.)
+    heartbeat.abort();
+    let mut held = Vec::new();
+    while let Some(ended) = shards.join_next().await {
+        if let Ok(Some(h)) = ended {
+            held.push(h);
+        }
+    }
+    let _ = wake.wait_for(|woken| *woken).await;
+    for h in held {
+        let (register, commit) = batch(&worker_id, &h.assignment, &h.cursor, h.version);
+        let accepted = client.register_batch(register).await.is_ok() && client.commit_batch(commit).await.is_ok();
+        let counter = if accepted {
+            &shared.counters.zombie_accepted
+        } else {
+            &shared.counters.zombie_refused
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// One batch's RegisterBatch and CommitBatch from `cursor` at `version`: the next position
+/// is an incremental cursor a little before now, as a caught-up shard commits.
+fn batch(
+    worker_id: &str,
+    assignment: &pb::ShardAssignment,
+    cursor: &str,
+    version: u64,
+) -> (pb::RegisterBatchRequest, pb::CommitBatchRequest) {
+    let task = assignment.task.as_ref().map(|t| t.name.clone()).unwrap_or_default();
+    let now = chrono::Utc::now().timestamp_micros() - 2_000_000;
+    let upper = Cursor::incremental_at(assignment.epoch, now).encode();
+    let batch_id = uuid::Uuid::new_v4().simple().to_string();
+    let register = pb::RegisterBatchRequest {
+        worker_id: worker_id.to_string(),
+        task: task.clone(),
+        epoch: assignment.epoch,
+        shard_id: assignment.shard_id,
+        fence_token: assignment.fence_token,
+        batch_id: batch_id.clone(),
+        lower: cursor.to_string(),
+        upper: upper.clone(),
+        row_count: 1000,
+        byte_size: 100_000,
+        content_hash: format!("sha256:{batch_id}{batch_id}"),
+        manifest_path: format!("load/{task}/{}/{batch_id}.manifest.json", assignment.shard_id),
+    };
+    let commit = pb::CommitBatchRequest {
+        worker_id: worker_id.to_string(),
+        task,
+        epoch: assignment.epoch,
+        shard_id: assignment.shard_id,
+        fence_token: assignment.fence_token,
+        expected_version: version,
+        batch_id,
+        lower: cursor.to_string(),
+        upper,
+        row_count: 1000,
+        empty: false,
+        replayed: false,
+        late_row_lateness_micros: Vec::new(),
+    };
+    (register, commit)
+}
+
+/// One held shard: a pending batch first (committed as replayed), then a batch per interval
+/// until the coordinator refuses or asks for the shard back. Returns the shard as last held
+/// when its worker vanished.
+async fn run_shard(
+    mut client: WorkerServiceClient<Channel>,
+    worker_id: String,
+    assignment: pb::ShardAssignment,
+    interval: Duration,
+    shared: Arc<Shared>,
+    vanish: Option<tokio::sync::watch::Receiver<bool>>,
+) -> Option<Held> {
+    let mut cursor = assignment.cursor.clone();
+    let mut version = assignment.checkpoint_version;
+    let task = assignment.task.as_ref().map(|t| t.name.clone()).unwrap_or_default();
+    if let Some(pending) = &assignment.pending {
+        let commit = pb::CommitBatchRequest {
+            worker_id: worker_id.clone(),
+            task: task.clone(),
+            epoch: assignment.epoch,
+            shard_id: assignment.shard_id,
+            fence_token: assignment.fence_token,
+            expected_version: version,
+            batch_id: pending.batch_id.clone(),
+            lower: cursor.clone(),
+            upper: pending.upper.clone(),
+            row_count: pending.row_count,
+            empty: false,
+            replayed: true,
+            late_row_lateness_micros: Vec::new(),
+        };
+        match client.commit_batch(commit).await {
+            Ok(r) => {
+                version = r.get_ref().new_version;
+                cursor = pending.upper.clone();
+            }
+            Err(_) => {
+                shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        }
+    }
+    loop {
+        tokio::time::sleep(interval).await;
+        if vanish.as_ref().is_some_and(|v| *v.borrow()) {
+            return Some(Held {
+                assignment,
+                cursor,
+                version,
+            });
+        }
+        let (register, commit) = batch(&worker_id, &assignment, &cursor, version);
+        let next = commit.upper.clone();
+        let started = Instant::now();
+        if client.register_batch(register).await.is_err() {
+            shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        shared.latencies.record("register_batch", started).await;
+        let started = Instant::now();
+        let response = match client.commit_batch(commit).await {
+            Ok(r) => r.into_inner(),
+            Err(_) => {
+                shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        };
+        shared.latencies.record("commit_batch", started).await;
+        if shared.measuring.load(Ordering::Relaxed) {
+            shared.counters.commits.fetch_add(1, Ordering::Relaxed);
+        }
+        version = response.new_version;
+        cursor = next;
+        let started = Instant::now();
+        let work = client
+            .next_shard_work(pb::ShardWorkRequest {
+                worker_id: worker_id.clone(),
+                task: task.clone(),
+                epoch: assignment.epoch,
+                shard_id: assignment.shard_id,
+                fence_token: assignment.fence_token,
+            })
+            .await;
+        shared.latencies.record("next_shard_work", started).await;
+        if response.release || work.is_ok_and(|w| w.get_ref().release) {
+            let _ = client
+                .release_shard(pb::ReleaseShardRequest {
+                    worker_id: worker_id.clone(),
+                    task: task.clone(),
+                    epoch: assignment.epoch,
+                    shard_id: assignment.shard_id,
+                    fence_token: assignment.fence_token,
+                    pause_reason: String::new(),
+                    failure: String::new(),
+                })
+                .await;
+            return None;
+        }
+    }
+}
+
+/// CPU seconds (user + system) and resident MiB (now, peak) of a process.
+fn process_usage(pid: u32) -> (f64, f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // After the command: state is field 0, utime 11, stime 12 (clock ticks of 1/100 s).
+    let cpu = (ticks(11) + ticks(12)) / 100.0;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (cpu, kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
+}
+
+/// etcd's own metrics: (gRPC requests handled, keys, CPU seconds).
+async fn etcd_metrics(endpoint: &str) -> (f64, f64, f64) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = endpoint.trim_start_matches("http://");
+    let mut text = String::new();
+    if let Ok(mut stream) = tokio::net::TcpStream::connect(host).await {
+        let request = format!("GET /metrics HTTP/1.0\r\nHost: {host}\r\n\r\n");
+        if stream.write_all(request.as_bytes()).await.is_ok() {
+            let _ = stream.read_to_string(&mut text).await;
+        }
+    }
+    let sum = |name: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    (
+        sum("grpc_server_handled_total"),
+        sum("etcd_debugging_mvcc_keys_total"),
+        sum("process_cpu_seconds_total"),
+    )
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index] as f64 / 1000.0
+}
+
+#[tokio::main]
+async fn main() {
+    let mut args = Args::parse();
+    if args.max_shards == 0 {
+        args.max_shards = (args.shards as usize * 5).div_ceil(args.workers * 4).max(1);
+    }
+    let mut cluster = Cluster::new("load").await;
+    // Enough keys for every shard to own a range of its own.
+    create_items(&cluster.source, KeyKind::Bigint, i64::from(args.shards) * 2).await;
+    let settings = TaskSettings {
+        shards: args.shards,
+        lease_ttl: Box::leak(args.lease_ttl.clone().into_boxed_str()),
+        ..TaskSettings::default()
+    };
+    let planning = Instant::now();
+    cluster.start(&settings).await;
+    println!(
+        "coordinator up with {} shards in {:.1} s; {} workers, at most {} shards each, a batch per {:?} per shard",
+        args.shards,
+        planning.elapsed().as_secs_f64(),
+        args.workers,
+        args.max_shards,
+        args.batch_interval
+    );
+    let coordinator_pid = cluster.coordinator.as_ref().unwrap().child.id();
+    let shared = Arc::new(Shared {
+        latencies: Latencies::default(),
+        counters: Counters::default(),
+        owners: Mutex::new(HashMap::new()),
+        measuring: AtomicBool::new(false),
+    });
+    let (vanish_tx, vanish_rx) = tokio::sync::watch::channel(false);
+    let (wake_tx, wake_rx) = tokio::sync::watch::channel(false);
+    let vanishing = ((args.workers as f64) * args.vanish).round() as usize;
+    let mut workers = tokio::task::JoinSet::new();
+    let ramp = Instant::now();
+    for number in 0..args.workers {
+        workers.spawn(worker(
+            number,
+            cluster.address.clone(),
+            args.clone(),
+            shared.clone(),
+            vanish_rx.clone(),
+            number < vanishing,
+            wake_rx.clone(),
+        ));
+    }
+    // Ramp: until every shard is owned or every worker holds its maximum.
+    let capacity = (args.workers * args.max_shards).min(args.shards as usize);
+    loop {
+        let owned = shared.owners.lock().await.len();
+        if owned >= capacity {
+            break;
+        }
+        if ramp.elapsed() > Duration::from_secs(600) {
+            println!("ramp: only {owned} of {capacity} shards owned after 600 s");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let ramp_seconds = ramp.elapsed().as_secs_f64();
+    println!("ramp: {capacity} shards owned after {ramp_seconds:.1} s");
+    shared.latencies.0.lock().await.clear();
+    let (cpu0, _, _) = process_usage(coordinator_pid);
+    let (etcd_requests0, _, etcd_cpu0) = etcd_metrics(&cluster.etcd.endpoint).await;
+    shared.measuring.store(true, Ordering::Relaxed);
+    let measure = Instant::now();
+    tokio::time::sleep(args.duration / 2).await;
+    // Vanish: the shards those workers hold must be owned again by live ones.
+    let orphans: Vec<(u64, u32)> = shared
+        .owners
+        .lock()
+        .await
+        .iter()
+        .filter(|(_, (owner, _))| *owner < vanishing)
+        .map(|(shard, _)| *shard)
+        .collect();
+    let vanished_at = Instant::now();
+    vanish_tx.send(true).unwrap();
+    tokio::time::sleep(args.duration / 2).await;
+    let seconds = measure.elapsed().as_secs_f64();
+    let (cpu1, rss, rss_peak) = process_usage(coordinator_pid);
+    let (etcd_requests1, etcd_keys, etcd_cpu1) = etcd_metrics(&cluster.etcd.endpoint).await;
+    shared.measuring.store(false, Ordering::Relaxed);
+    let latencies = std::mem::take(&mut *shared.latencies.0.lock().await);
+    // Reacquisition, waited for past the measured time if need be.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut reacquired = loop {
+        let owners = shared.owners.lock().await;
+        let reacquired: Vec<Duration> = orphans
+            .iter()
+            .filter_map(|shard| {
+                let (owner, at) = owners.get(shard)?;
+                (*owner >= vanishing && *at > vanished_at).then(|| at.duration_since(vanished_at))
+            })
+            .collect();
+        drop(owners);
+        if reacquired.len() == orphans.len() || Instant::now() > deadline {
+            break reacquired;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    reacquired.sort();
+    wake_tx.send(true).unwrap();
+    let channel = Channel::from_shared(cluster.address.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut admin = AdminServiceClient::new(channel);
+    let mut status_ms = Vec::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        admin.status(pb::StatusRequest {}).await.unwrap();
+        status_ms.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    status_ms.sort_by(f64::total_cmp);
+    let commits = shared.counters.commits.load(Ordering::Relaxed);
+    println!(
+        "\n== {} workers, {} shards, {:.0} s measured ==",
+        args.workers, args.shards, seconds
+    );
+    println!(
+        "{:<16} {:>9} {:>9} {:>9} {:>9}",
+        "rpc (ms)", "count", "p50", "p99", "max"
+    );
+    let mut names: Vec<_> = latencies.keys().copied().collect();
+    names.sort();
+    for name in names {
+        let mut values = latencies[name].clone();
+        values.sort_unstable();
+        println!(
+            "{:<16} {:>9} {:>9.1} {:>9.1} {:>9.1}",
+            name,
+            values.len(),
+            percentile(&values, 0.5),
+            percentile(&values, 0.99),
+            percentile(&values, 1.0)
+        );
+    }
+    println!(
+        "commits: {commits} in {seconds:.0} s = {:.0}/s; refused {}; RPC errors {}",
+        commits as f64 / seconds,
+        shared.counters.refused.load(Ordering::Relaxed),
+        shared.counters.errors.load(Ordering::Relaxed)
+    );
+    println!(
+        "coordinator: {:.2} CPU cores over the measured time; RSS {rss:.0} MiB (peak {rss_peak:.0} MiB)",
+        (cpu1 - cpu0) / seconds
+    );
+    println!(
+        "etcd: {:.0} requests/s, {:.0} keys, {:.2} CPU cores",
+        (etcd_requests1 - etcd_requests0) / seconds,
+        etcd_keys,
+        (etcd_cpu1 - etcd_cpu0) / seconds
+    );
+    let control = &cluster.control.pool;
+    let size: i64 = sqlx::query_scalar("SELECT pg_database_size(current_database())")
+        .fetch_one(control)
+        .await
+        .unwrap();
+    let rows = sqlx::query(
+        "SELECT (SELECT count(*) FROM checkpoints), (SELECT count(*) FROM checkpoint_history), \
+         (SELECT count(*) FROM batches)",
+    )
+    .fetch_one(control)
+    .await
+    .unwrap();
+    println!(
+        "control database: {:.1} MiB; checkpoints {}, checkpoint_history {}, batches {}",
+        size as f64 / 1048576.0,
+        rows.get::<i64, _>(0),
+        rows.get::<i64, _>(1),
+        rows.get::<i64, _>(2)
+    );
+    println!(
+        "status: p50 {:.1} ms, max {:.1} ms",
+        status_ms[status_ms.len() / 2],
+        status_ms[status_ms.len() - 1]
+    );
+    let last = |v: &[Duration], p: f64| {
+        v.get(((v.len() as f64 - 1.0) * p).round() as usize)
+            .map_or(f64::NAN, |d| d.as_secs_f64())
+    };
+    println!(
+        "vanished: {vanishing} workers holding {} shards; reacquired {} (p50 {:.1} s, max {:.1} s after they stopped; lease TTL {})",
+        orphans.len(),
+        reacquired.len(),
+        last(&reacquired, 0.5),
+        last(&reacquired, 1.0),
+        args.lease_ttl
+    );
+    // The zombies wake two TTLs after they vanished; let them try.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while shared.counters.zombie_accepted.load(Ordering::Relaxed)
+        + shared.counters.zombie_refused.load(Ordering::Relaxed)
+        < orphans.len() as u64
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "zombie commits with old fences: {} refused, {} accepted",
+        shared.counters.zombie_refused.load(Ordering::Relaxed),
+        shared.counters.zombie_accepted.load(Ordering::Relaxed)
+    );
+    workers.shutdown().await;
+}
