@@ -151,8 +151,14 @@ async fn worker(
                         eprintln!("{worker_id}: lease lost");
                         return;
                     }
-                    Err(_) => {
-                        shared.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    Err(status) => {
+                        if shared.counters.errors.fetch_add(1, Ordering::Relaxed) < 5 {
+                            eprintln!(
+                                "{worker_id}: heartbeat failed: {:?} {}",
+                                status.code(),
+                                status.message()
+                            );
+                        }
                     }
                 }
             }
@@ -196,8 +202,10 @@ async fn worker(
                         None => idle = Duration::from_secs(1),
                     }
                 }
-                Err(_) => {
-                    shared.counters.errors.fetch_add(1, Ordering::Relaxed);
+                Err(status) => {
+                    if shared.counters.errors.fetch_add(1, Ordering::Relaxed) < 5 {
+                        eprintln!("{worker_id}: acquire failed: {:?} {}", status.code(), status.message());
+                    }
                     idle = Duration::from_secs(1);
                 }
             }
@@ -439,9 +447,26 @@ async fn main() {
     let mut cluster = Cluster::new("load").await;
     // Enough keys for every shard to own a range of its own.
     create_items(&cluster.source, KeyKind::Bigint, i64::from(args.shards) * 2).await;
+    // A task has at most 4,096 shards: more are spread over tasks on the same source table,
+    // each into a target table of its own.
+    let tasks = args.shards.div_ceil(4096);
+    let per_task = args.shards.div_ceil(tasks);
+    let extra: String = (1..tasks)
+        .map(|n| {
+            format!(
+                "\n[[tasks]]\nname = \"items{n}\"\nsource = \"{source}\"\nsource_table = \"public.items\"\n\
+                 target = \"{target}\"\ntarget_table = \"public.items{n}\"\nkey = [\"id\"]\n\
+                 cursor_column = \"updated_at\"\nshards = {shards}\n",
+                source = cluster.source.url,
+                target = cluster.target.url,
+                shards = (args.shards - n * per_task).min(per_task),
+            )
+        })
+        .collect();
     let settings = TaskSettings {
-        shards: args.shards,
+        shards: per_task,
         lease_ttl: Box::leak(args.lease_ttl.clone().into_boxed_str()),
+        extra,
         ..TaskSettings::default()
     };
     let planning = Instant::now();
@@ -490,8 +515,11 @@ async fn main() {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let ramp_seconds = ramp.elapsed().as_secs_f64();
-    println!("ramp: {capacity} shards owned after {ramp_seconds:.1} s");
+    let owned = shared.owners.lock().await.len();
+    println!(
+        "ramp: {owned} of {capacity} shards owned after {:.1} s",
+        ramp.elapsed().as_secs_f64()
+    );
     shared.latencies.0.lock().await.clear();
     let (cpu0, _, _) = process_usage(coordinator_pid);
     let (etcd_requests0, _, etcd_cpu0) = etcd_metrics(&cluster.etcd.endpoint).await;
