@@ -24,6 +24,12 @@ pub struct ShardKey {
     pub shard_id: u32,
 }
 
+/// A shard a worker may claim, and the worker it is reserved for, if any.
+pub struct Candidate {
+    pub shard: ShardKey,
+    pub reserved_for: Option<String>,
+}
+
 /// An epoch's frozen source columns as `epochs.columns` stores them: `[[name, type], …]`.
 pub fn stored_columns(value: serde_json::Value) -> Result<Vec<Column>, serde_json::Error> {
     Ok(serde_json::from_value::<Vec<(String, String)>>(value)?
@@ -609,26 +615,29 @@ impl ControlDb {
 
     /// Shards of the given tasks' running epochs (the live one, and one building beside it)
     /// that are not paused, least recently touched first.
-    pub async fn shard_candidates(&self, tasks: &[String], worker: &str) -> Result<Vec<ShardKey>, CoordinatorError> {
-        // Shards reserved for this worker (a move) come first; shards reserved for another
-        // worker, or waiting for a split or merge, are left alone.
+    /// Every shard a worker may claim, least recently touched first, with the worker it is
+    /// reserved for (a move) while the reservation lasts. Shards waiting for a split or merge
+    /// are left out.
+    pub async fn shard_candidates(&self, tasks: &[String]) -> Result<Vec<Candidate>, CoordinatorError> {
         let rows = sqlx::query(
-            "SELECT c.task, c.epoch, c.shard_id FROM checkpoints c \
+            "SELECT c.task, c.epoch, c.shard_id, \
+             CASE WHEN c.reserved_until >= now() THEN c.reserved_for END FROM checkpoints c \
              JOIN running_epochs r ON r.task = c.task AND r.epoch = c.epoch JOIN tasks t ON t.name = c.task \
              WHERE t.paused_reason IS NULL AND c.task = ANY($1) AND NOT c.retired AND c.pending_op IS NULL \
-             AND (c.reserved_for IS NULL OR c.reserved_for = $2 OR c.reserved_until < now()) \
-             ORDER BY (c.reserved_for IS NOT DISTINCT FROM $2) DESC, c.updated_at, c.task, c.shard_id",
+             ORDER BY c.updated_at, c.task, c.shard_id",
         )
         .bind(tasks)
-        .bind(worker)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
             .into_iter()
-            .map(|row| ShardKey {
-                task: row.get(0),
-                epoch: row.get::<i64, _>(1) as u64,
-                shard_id: row.get::<i32, _>(2) as u32,
+            .map(|row| Candidate {
+                shard: ShardKey {
+                    task: row.get(0),
+                    epoch: row.get::<i64, _>(1) as u64,
+                    shard_id: row.get::<i32, _>(2) as u32,
+                },
+                reserved_for: row.get(3),
             })
             .collect())
     }

@@ -5,6 +5,7 @@ pub mod admin_cli;
 pub mod batches;
 pub mod capacity;
 pub mod checkpoints;
+mod claim_queue;
 pub mod cli;
 pub mod discover;
 pub(crate) mod engines;

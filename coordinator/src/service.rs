@@ -14,6 +14,7 @@ use tidemark_common::contract::{self, Contract};
 
 use crate::checkpoints::ShardStatusRow;
 use crate::checkpoints::{CommitBatch, ControlDb, EpochRecord, RegisterBatch, ShardKey, parse_request_cursor};
+use crate::claim_queue::ClaimQueue;
 use crate::engines;
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
@@ -44,12 +45,14 @@ pub struct Coordinator {
 #[derive(Clone)]
 pub struct CoordinatorService {
     inner: Arc<Coordinator>,
+    claims: Arc<ClaimQueue>,
 }
 
 impl CoordinatorService {
     pub fn new(coordinator: Coordinator) -> CoordinatorService {
         CoordinatorService {
             inner: Arc::new(coordinator),
+            claims: Arc::new(ClaimQueue::default()),
         }
     }
 
@@ -162,6 +165,9 @@ impl CoordinatorService {
 
     async fn acquire(&self, worker_id: &str, lease_id: i64) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
         let coordinator = &self.inner;
+        if !self.claims.may_have(worker_id).await {
+            return Ok(None);
+        }
         if !coordinator.leases.lease_alive(lease_id).await? {
             return Err(CoordinatorError::LeaseExpired { lease_id });
         }
@@ -170,9 +176,11 @@ impl CoordinatorService {
         if coordinator.control.worker_draining(worker_id).await? {
             return Ok(None);
         }
-        let candidates = coordinator.control.shard_candidates(&active, worker_id).await?;
-        let owners = coordinator.leases.owners().await?;
-        for shard in candidates.into_iter().filter(|s| !owners.contains_key(s)) {
+        while let Some(shard) = self
+            .claims
+            .next(worker_id, &active, &coordinator.control, &coordinator.leases)
+            .await?
+        {
             let Some(fence) = coordinator.leases.try_claim(&shard, worker_id, lease_id).await? else {
                 continue;
             };
@@ -530,6 +538,7 @@ impl WorkerService for CoordinatorService {
             .control
             .release(&shard, request.fence_token, &request.worker_id)
             .await?;
+        self.claims.invalidate().await;
         tracing::info!(task = %shard.task, shard = shard.shard_id, worker = %request.worker_id, "shard released");
         Ok(Response::new(pb::ReleaseShardResponse {}))
     }
@@ -971,6 +980,7 @@ impl AdminService for CoordinatorService {
             .into());
         }
         self.inner.control.resume_task(&request.task).await?;
+        self.claims.invalidate().await;
         tracing::info!(task = %request.task, "task resumed");
         Ok(Response::new(pb::TaskResponse {}))
     }
