@@ -35,6 +35,13 @@ struct State {
     reserved: HashMap<String, VecDeque<ShardKey>>,
 }
 
+impl State {
+    /// Nothing left from the last read that `worker` may take.
+    fn empty_for(&self, worker: &str) -> bool {
+        self.free.is_empty() && self.reserved.get(worker).is_none_or(VecDeque::is_empty)
+    }
+}
+
 impl ClaimQueue {
     /// Forgets the last read: a shard was released or a task resumed, and the next acquire
     /// should see it at once.
@@ -48,7 +55,7 @@ impl ClaimQueue {
     pub(crate) async fn may_have(&self, worker: &str) -> bool {
         let state = self.state.lock().await;
         let fresh = state.read_at.is_some_and(|at| at.elapsed() < REFRESH);
-        !(fresh && state.free.is_empty() && state.reserved.get(worker).is_none_or(VecDeque::is_empty))
+        !(fresh && state.empty_for(worker))
     }
 
     /// The next shard `worker` should try to claim, or `None` when none was free at the last
@@ -62,8 +69,7 @@ impl ClaimQueue {
     ) -> Result<Option<ShardKey>, CoordinatorError> {
         let mut state = self.state.lock().await;
         let age = state.read_at.map(|at| at.elapsed());
-        let empty = state.free.is_empty() && state.reserved.get(worker).is_none_or(VecDeque::is_empty);
-        let stale = age.is_none_or(|age| age >= MAX_AGE || (empty && age >= REFRESH));
+        let stale = age.is_none_or(|age| age >= MAX_AGE || (state.empty_for(worker) && age >= REFRESH));
         if stale {
             let candidates = control.shard_candidates(tasks).await?;
             let owners = leases.owners().await?;
