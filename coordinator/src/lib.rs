@@ -25,3 +25,4 @@ pub mod service;
 pub mod source_install;
 pub mod status;
 pub mod watcher;
+mod workers_seen;

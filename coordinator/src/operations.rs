@@ -159,9 +159,9 @@ impl ControlDb {
         Ok(())
     }
 
-    pub async fn worker_seen(&self, id: &str) -> Result<(), CoordinatorError> {
-        sqlx::query("UPDATE workers SET last_seen = now() WHERE id = $1")
-            .bind(id)
+    pub async fn workers_seen(&self, ids: &[String]) -> Result<(), CoordinatorError> {
+        sqlx::query("UPDATE workers SET last_seen = now() WHERE id = ANY($1)")
+            .bind(ids)
             .execute(self.pool())
             .await?;
         Ok(())

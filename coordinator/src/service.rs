@@ -24,6 +24,7 @@ use crate::operations::{request_merge, request_move, request_split};
 use crate::planner::PreparedTask;
 use crate::planner::{delete_spec, epoch_columns, reinit_task, source_now_micros};
 use crate::reconcile_runs::ShardReconcile;
+use crate::workers_seen::WorkersSeen;
 use tidemark_common::target::TargetPool;
 use tidemark_common::telemetry::join_trace;
 use tracing::Instrument;
@@ -46,6 +47,7 @@ pub struct Coordinator {
 pub struct CoordinatorService {
     inner: Arc<Coordinator>,
     claims: Arc<ClaimQueue>,
+    seen: Arc<WorkersSeen>,
 }
 
 impl CoordinatorService {
@@ -53,6 +55,7 @@ impl CoordinatorService {
         CoordinatorService {
             inner: Arc::new(coordinator),
             claims: Arc::new(ClaimQueue::default()),
+            seen: Arc::new(WorkersSeen::default()),
         }
     }
 
@@ -393,9 +396,8 @@ impl WorkerService for CoordinatorService {
         let request = request.into_inner();
         let lease_alive = self.inner.leases.keep_alive(request.lease_id).await?;
         if lease_alive {
-            self.inner.control.worker_seen(&request.worker_id).await?;
-        }
-        if !lease_alive {
+            self.seen.heard(&request.worker_id, &self.inner.control).await;
+        } else {
             count(&METRICS.leases_lost, &[], 1);
             tracing::warn!(worker = %request.worker_id, lease_id = request.lease_id, "heartbeat for an expired lease");
         }

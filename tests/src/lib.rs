@@ -157,7 +157,8 @@ impl Drop for TestDb {
 pub struct Etcd {
     pub endpoint: String,
     child: Child,
-    _dir: TempDir,
+    ports: (u16, u16),
+    dir: TempDir,
 }
 
 /// Certificates for an etcd that serves only TLS and requires client certificates.
@@ -184,7 +185,7 @@ impl Etcd {
     fn start_with(tls: Option<&EtcdTls>) -> Etcd {
         let mut last_log = String::new();
         for _ in 0..3 {
-            match Etcd::try_start(tls) {
+            match Etcd::try_start(tls, TempDir::new("etcd"), (free_port(), free_port())) {
                 Ok(etcd) => return etcd,
                 Err(log) => last_log = log,
             }
@@ -192,11 +193,22 @@ impl Etcd {
         panic!("etcd did not start in three tries; its last log:\n{last_log}");
     }
 
-    fn try_start(tls: Option<&EtcdTls>) -> Result<Etcd, String> {
-        let dir = TempDir::new("etcd");
-        let client = free_port();
-        let peer = free_port();
-        let log_path = dir.0.join("etcd.log");
+    fn try_start(tls: Option<&EtcdTls>, dir: TempDir, ports: (u16, u16)) -> Result<Etcd, String> {
+        let child = Etcd::spawn(tls, &dir.0, ports)?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        Ok(Etcd {
+            endpoint: format!("{scheme}://127.0.0.1:{}", ports.0),
+            child,
+            ports,
+            dir,
+        })
+    }
+
+    /// Starts etcd in `dir` on `(client, peer)` ports and waits until it serves.
+    fn spawn(tls: Option<&EtcdTls>, dir: &Path, (client, peer): (u16, u16)) -> Result<Child, String> {
+        let log_path = dir.join("etcd.log");
+        // A restart starts a new log, so that "serving" below is this start's.
+        let _ = std::fs::rename(&log_path, dir.join("etcd.log.before"));
         let log = std::fs::File::create(&log_path).unwrap();
         let scheme = if tls.is_some() { "https" } else { "http" };
         let mut command = Command::new("etcd");
@@ -212,7 +224,7 @@ impl Etcd {
         }
         let mut child = command
             .args(["--name", "t", "--data-dir"])
-            .arg(dir.0.join("data"))
+            .arg(dir.join("data"))
             .args(["--listen-client-urls", &format!("{scheme}://127.0.0.1:{client}")])
             .args(["--advertise-client-urls", &format!("{scheme}://127.0.0.1:{client}")])
             .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
@@ -248,11 +260,31 @@ impl Etcd {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Ok(Etcd {
-            endpoint,
-            child,
-            _dir: dir,
-        })
+        Ok(child)
+    }
+
+    /// Kills etcd (SIGKILL) and starts it again on the same ports and data: leases and keys
+    /// survive, every open connection and stream breaks. Plain (not TLS) etcd only.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child =
+            Etcd::spawn(None, &self.dir.0, self.ports).unwrap_or_else(|log| panic!("etcd did not restart: {log}"));
+    }
+
+    /// The sum of etcd's own samples whose line starts with `selector` (a metric name with
+    /// the start of its labels, e.g. `grpc_server_started_total{grpc_method="LeaseKeepAlive"`).
+    pub fn metric(&self, selector: &str) -> f64 {
+        use std::io::{Read, Write};
+        let host = self.endpoint.trim_start_matches("http://");
+        let mut stream = std::net::TcpStream::connect(host).unwrap();
+        write!(stream, "GET /metrics HTTP/1.0\r\nHost: {host}\r\n\r\n").unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).unwrap();
+        text.lines()
+            .filter(|line| line.starts_with(selector))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
     }
 }
 

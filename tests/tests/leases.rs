@@ -51,8 +51,11 @@ async fn lease_rules(leases: Leases, fence_floor: u64) {
     let second = leases.try_claim(&shard(0), "b", b).await.unwrap().expect("freed");
     assert!(second > other);
 
-    // `a` is kept alive, `b` is not: b's lease expires and takes its shards with it.
+    // `a` is kept alive, `b` is not: b's lease expires and takes its shards with it. `c` was
+    // kept alive once (etcd: its keep-alive stream stays open) and then left to expire.
     let claimed_by_a = leases.try_claim(&shard(2), "a", a).await.unwrap().expect("free");
+    let c = leases.grant_worker_lease().await.unwrap();
+    assert!(leases.keep_alive(c).await.unwrap(), "c kept alive once");
     let deadline = std::time::Instant::now() + TTL * 3;
     while std::time::Instant::now() < deadline {
         assert!(leases.keep_alive(a).await.unwrap(), "a kept alive");
@@ -60,6 +63,15 @@ async fn lease_rules(leases: Leases, fence_floor: u64) {
     }
     assert!(!leases.lease_alive(b).await.unwrap(), "b's lease outlived its TTL");
     assert!(!leases.keep_alive(b).await.unwrap(), "an expired lease came back");
+    assert!(!leases.lease_alive(c).await.unwrap(), "c's lease outlived its TTL");
+    assert!(
+        !leases.keep_alive(c).await.unwrap(),
+        "an expired lease came back on its open stream"
+    );
+    assert!(
+        !leases.keep_alive(c).await.unwrap(),
+        "an expired lease came back on a new stream"
+    );
     let owners = leases.owners().await.unwrap();
     assert!(
         !owners.contains_key(&shard(0)) && !owners.contains_key(&shard(1)),
@@ -81,6 +93,65 @@ async fn etcd_leases_keep_the_rules() {
         .await
         .unwrap();
     lease_rules(leases, 0).await;
+}
+
+/// Started `LeaseKeepAlive` streams, as etcd counts them.
+fn keep_alive_streams(etcd: &Etcd) -> f64 {
+    etcd.metric(r#"grpc_server_started_total{grpc_method="LeaseKeepAlive""#)
+}
+
+/// Heartbeats reuse one keep-alive stream per lease (a new stream per heartbeat kept a
+/// 1,000-worker coordinator busy enough for leases to expire), and that stream breaking when
+/// etcd restarts costs no heartbeat: the next one opens a new stream and keeps the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_heartbeats_share_a_stream_per_lease_and_survive_a_restart() {
+    let mut etcd = Etcd::start();
+    let ttl = Duration::from_secs(6);
+    let leases = Leases::connect(std::slice::from_ref(&etcd.endpoint), "/lease-streams", ttl, None)
+        .await
+        .unwrap();
+    let held: Vec<i64> = futures::future::try_join_all((0..3).map(|_| leases.grant_worker_lease()))
+        .await
+        .unwrap();
+    let before = keep_alive_streams(&etcd);
+    for _ in 0..10 {
+        for &lease in &held {
+            assert!(leases.keep_alive(lease).await.unwrap());
+        }
+    }
+    assert_eq!(keep_alive_streams(&etcd) - before, 3.0, "30 heartbeats of 3 leases");
+
+    let fence = leases.try_claim(&shard(7), "a", held[0]).await.unwrap().expect("free");
+    etcd.restart();
+    let deadline = std::time::Instant::now() + ttl;
+    let mut failed = 0;
+    loop {
+        match leases.keep_alive(held[0]).await {
+            Ok(alive) => {
+                assert!(alive, "the lease was lost across the restart");
+                break;
+            }
+            Err(error) => {
+                failed += 1;
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no heartbeat after the restart: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    // The stream that broke is not kept: the next heartbeats go through at once.
+    for _ in 0..5 {
+        assert!(
+            leases.keep_alive(held[0]).await.unwrap(),
+            "after {failed} failed attempt(s)"
+        );
+    }
+    assert_eq!(
+        leases.owners().await.unwrap().get(&shard(7)),
+        Some(&("a".to_string(), fence))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

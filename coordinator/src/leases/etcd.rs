@@ -2,9 +2,12 @@
 //! lease; its fence token is the key's create revision: cluster-wide monotonic.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp,
+};
 use tidemark_common::tls::ClientTls;
 
 use crate::checkpoints::ShardKey;
@@ -14,6 +17,74 @@ use crate::error::CoordinatorError;
 pub(crate) struct EtcdLeases {
     client: Client,
     prefix: String,
+    keepers: Arc<Keepers>,
+}
+
+/// How long one keep-alive waits for etcd's answer before the stream is given up.
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One open keep-alive stream per lease, reused by every heartbeat of that lease. Opening a
+/// stream per heartbeat cost an HTTP/2 stream set-up and tear-down on both sides each time:
+/// with 1,000 workers that alone kept the box busy and leases expired (BENCHMARKS.md, issue
+/// 20). A stream unused for three of its lease's TTLs (a worker that vanished) is dropped.
+#[derive(Default)]
+struct Keepers {
+    streams: Mutex<HashMap<i64, Arc<Keeper>>>,
+    swept_at: Mutex<Option<Instant>>,
+}
+
+struct Keeper {
+    used: Mutex<Instant>,
+    stream: tokio::sync::Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
+}
+
+/// What one keep-alive on an open stream came to.
+enum Renewal {
+    Alive,
+    Expired,
+}
+
+impl Keepers {
+    fn keeper(&self, lease_id: i64) -> Arc<Keeper> {
+        let mut streams = self.streams.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        streams
+            .entry(lease_id)
+            .or_insert_with(|| {
+                Arc::new(Keeper {
+                    used: Mutex::new(Instant::now()),
+                    stream: tokio::sync::Mutex::new(None),
+                })
+            })
+            .clone()
+    }
+
+    fn forget(&self, lease_id: i64) {
+        self.streams
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(&lease_id);
+    }
+
+    /// Drops the streams of leases nobody kept alive for `idle`, at most once per `idle`.
+    fn sweep(&self, idle: Duration) {
+        let now = Instant::now();
+        {
+            let mut swept_at = self.swept_at.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if swept_at.is_some_and(|at| now.duration_since(at) < idle) {
+                return;
+            }
+            *swept_at = Some(now);
+        }
+        self.streams
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .retain(|_, keeper| now.duration_since(*keeper.used.lock().unwrap_or_else(|p| p.into_inner())) < idle);
+    }
+}
+
+fn lease_not_found(error: &etcd_client::Error) -> bool {
+    matches!(error, etcd_client::Error::LeaseKeepAliveError(message) if message.contains("lease not found"))
+        || matches!(error, etcd_client::Error::GRpcStatus(status) if status.message().contains("lease not found"))
 }
 
 impl EtcdLeases {
@@ -35,6 +106,7 @@ impl EtcdLeases {
         Ok(EtcdLeases {
             client,
             prefix: prefix.trim_end_matches('/').to_string(),
+            keepers: Arc::default(),
         })
     }
 
@@ -63,18 +135,67 @@ impl EtcdLeases {
         Ok(response.id())
     }
 
-    /// False when the lease has expired (etcd answers "lease not found").
-    pub(crate) async fn keep_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {
-        let renewed = async {
-            let (mut keeper, mut stream) = self.client.clone().lease_keep_alive(lease_id).await?;
-            keeper.keep_alive().await?;
-            Ok::<_, etcd_client::Error>(stream.message().await?.is_some_and(|response| response.ttl() > 0))
-        };
-        match renewed.await {
-            Ok(alive) => Ok(alive),
-            Err(etcd_client::Error::LeaseKeepAliveError(message)) if message.contains("lease not found") => Ok(false),
+    /// False when the lease has expired (etcd answers with TTL 0 or "lease not found").
+    /// `ttl`: the lease's TTL, to know when an unused stream may be dropped.
+    pub(crate) async fn keep_alive(&self, lease_id: i64, ttl: Duration) -> Result<bool, CoordinatorError> {
+        self.keepers.sweep(ttl * 3);
+        let keeper = self.keepers.keeper(lease_id);
+        *keeper.used.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Instant::now();
+        let mut stream = keeper.stream.lock().await;
+        // A stream that served before may have broken since (etcd restarted, the connection
+        // was reset): on an error it is reopened once before the error counts.
+        let reused = stream.is_some();
+        let mut outcome = self.renew_on(&mut stream, lease_id).await;
+        if reused && matches!(&outcome, Err(error) if !lease_not_found(error)) {
+            outcome = self.renew_on(&mut stream, lease_id).await;
+        }
+        match outcome {
+            Ok(Renewal::Alive) => Ok(true),
+            Ok(Renewal::Expired) => {
+                drop(stream);
+                self.keepers.forget(lease_id);
+                Ok(false)
+            }
+            Err(error) if lease_not_found(&error) => {
+                drop(stream);
+                self.keepers.forget(lease_id);
+                Ok(false)
+            }
             Err(error) => Err(error.into()),
         }
+    }
+
+    /// One keep-alive on the lease's stream, opening it when there is none. Any error or a
+    /// late answer drops the stream, so that no answer is ever read for the wrong request.
+    async fn renew_on(
+        &self,
+        stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+        lease_id: i64,
+    ) -> Result<Renewal, etcd_client::Error> {
+        let renewed = async {
+            if stream.is_none() {
+                *stream = Some(self.client.clone().lease_keep_alive(lease_id).await?);
+            }
+            let (keeper, responses) = stream.as_mut().expect("opened above");
+            keeper.keep_alive().await?;
+            match responses.message().await? {
+                Some(response) if response.ttl() > 0 => Ok(Renewal::Alive),
+                Some(_) => Ok(Renewal::Expired),
+                None => Err(etcd_client::Error::LeaseKeepAliveError(
+                    "etcd closed the keep-alive stream".into(),
+                )),
+            }
+        };
+        let outcome = match tokio::time::timeout(KEEP_ALIVE_TIMEOUT, renewed).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(etcd_client::Error::LeaseKeepAliveError(format!(
+                "no keep-alive answer within {KEEP_ALIVE_TIMEOUT:?}"
+            ))),
+        };
+        if !matches!(outcome, Ok(Renewal::Alive)) {
+            *stream = None;
+        }
+        outcome
     }
 
     pub(crate) async fn lease_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {

@@ -81,7 +81,7 @@ impl Leases {
     /// Refreshes a worker's lease once; false when it has already expired.
     pub async fn keep_alive(&self, lease_id: i64) -> Result<bool, CoordinatorError> {
         match &self.store {
-            Store::Etcd(etcd) => etcd.keep_alive(lease_id).await,
+            Store::Etcd(etcd) => etcd.keep_alive(lease_id, self.ttl).await,
             Store::Local(local) => Ok(local.keep_alive(lease_id)),
         }
     }
