@@ -34,7 +34,7 @@ where
         };
         match endpoint.connect().await {
             Err(error) => last = Some(anyhow!("cannot reach coordinator {address}: {}", with_causes(&error))),
-            Ok(channel) => match f(AdminServiceClient::new(channel)).await {
+            Ok(channel) => match f(tidemark_proto::admin_client(channel)).await {
                 Ok(response) => return Ok(response.into_inner()),
                 // A connection problem (the replica is down, TLS refused, plaintext against TLS)
                 // rather than the coordinator's answer: try the next replica.

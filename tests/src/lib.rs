@@ -17,7 +17,6 @@ pub mod s3;
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tidemark_proto::v1 as pb;
-use tidemark_proto::v1::admin_service_client::AdminServiceClient;
 
 pub fn pg_base_url() -> String {
     std::env::var("TIDEMARK_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
@@ -725,7 +724,7 @@ open_transaction_bound = {bound}
             self.client_env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
         });
         let channel = tls.endpoint(&self.address).ok()?.connect().await.ok()?;
-        let mut client = AdminServiceClient::new(channel);
+        let mut client = tidemark_proto::admin_client(channel);
         Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
     }
 

@@ -23,7 +23,6 @@ use clap::Parser;
 use sqlx::Row;
 use tidemark_common::cursor::Cursor;
 use tidemark_proto::v1 as pb;
-use tidemark_proto::v1::admin_service_client::AdminServiceClient;
 use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
 use tidemark_tests::{Cluster, KeyKind, TaskSettings, create_items};
 use tokio::sync::Mutex;
@@ -84,8 +83,12 @@ struct Counters {
     zombie_refused: AtomicU64,
 }
 
+/// A shard: (task, epoch, shard id). Shard ids repeat across tasks (more than 4,096 shards are
+/// spread over several).
+type ShardRef = (String, u64, u32);
+
 /// Who holds which shard since when, as the simulated workers saw their acquisitions.
-type Owners = Mutex<HashMap<(u64, u32), (usize, Instant)>>;
+type Owners = Mutex<HashMap<ShardRef, (usize, Instant)>>;
 
 struct Shared {
     latencies: Latencies,
@@ -189,7 +192,7 @@ async fn worker(
                                 .owners
                                 .lock()
                                 .await
-                                .insert((assignment.epoch, assignment.shard_id), (number, Instant::now()));
+                                .insert(shard_ref(&assignment), (number, Instant::now()));
                             shards.spawn(run_shard(
                                 client.clone(),
                                 worker_id.clone(),
@@ -241,6 +244,11 @@ async fn worker(
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+fn shard_ref(assignment: &pb::ShardAssignment) -> ShardRef {
+    let task = assignment.task.as_ref().map(|t| t.name.clone()).unwrap_or_default();
+    (task, assignment.epoch, assignment.shard_id)
 }
 
 /// One batch's RegisterBatch and CommitBatch from `cursor` at `version`: the next position
@@ -527,13 +535,13 @@ async fn main() {
     let measure = Instant::now();
     tokio::time::sleep(args.duration / 2).await;
     // Vanish: the shards those workers hold must be owned again by live ones.
-    let orphans: Vec<(u64, u32)> = shared
+    let orphans: Vec<ShardRef> = shared
         .owners
         .lock()
         .await
         .iter()
         .filter(|(_, (owner, _))| *owner < vanishing)
-        .map(|(shard, _)| *shard)
+        .map(|(shard, _)| shard.clone())
         .collect();
     let vanished_at = Instant::now();
     vanish_tx.send(true).unwrap();
@@ -567,7 +575,7 @@ async fn main() {
         .connect()
         .await
         .unwrap();
-    let mut admin = AdminServiceClient::new(channel);
+    let mut admin = tidemark_proto::admin_client(channel);
     let mut status_ms = Vec::new();
     for _ in 0..5 {
         let started = Instant::now();
