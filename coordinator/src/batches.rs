@@ -52,7 +52,7 @@ pub enum Staged<'a> {
     EpochsBefore { task: &'a str, epoch: u64 },
 }
 
-/// Registers a staged batch (the caller has checked that the id is new).
+/// Registers a staged batch.
 pub struct Registration<'a> {
     pub batch_id: &'a str,
     pub shard: &'a ShardKey,
@@ -65,10 +65,12 @@ pub struct Registration<'a> {
     pub fence: u64,
 }
 
-pub async fn register(conn: &mut PgConnection, batch: Registration<'_>) -> Result<(), sqlx::Error> {
-    sqlx::query(
+/// False when a batch with this id is registered already: the caller compares its content.
+pub async fn register(conn: &mut PgConnection, batch: Registration<'_>) -> Result<bool, sqlx::Error> {
+    let inserted = sqlx::query(
         "INSERT INTO batches (batch_id, task, epoch, shard_id, lower, upper, row_count, byte_size, \
-         content_hash, manifest_path, fence, state) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12)",
+         content_hash, manifest_path, fence, state) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12) \
+         ON CONFLICT (batch_id) DO NOTHING",
     )
     .bind(batch.batch_id)
     .bind(&batch.shard.task)
@@ -83,31 +85,46 @@ pub async fn register(conn: &mut PgConnection, batch: Registration<'_>) -> Resul
     .bind(batch.fence as i64)
     .bind(BatchState::Staged.as_str())
     .execute(conn)
-    .await?;
-    Ok(())
+    .await?
+    .rows_affected();
+    Ok(inserted == 1)
 }
 
-/// Staged → committed, if the batch is staged with exactly these upper bounds; false
-/// otherwise (the caller refuses the commit).
+/// Staged → committed, if the batch is staged for `shard` with exactly these upper bounds,
+/// and then every other staged batch of `shard` → abandoned (they were read from the same
+/// position and can never commit now); false, changing nothing, otherwise (the caller
+/// refuses the commit). One statement: a commit is the coordinator's most frequent
+/// transaction, and each round trip counts at thousands of shards (issue 20).
 pub async fn commit(
     conn: &mut PgConnection,
     batch_id: &str,
+    shard: &ShardKey,
     upper: serde_json::Value,
     replayed: bool,
 ) -> Result<bool, sqlx::Error> {
-    let updated = sqlx::query(
-        "UPDATE batches SET state = $4, committed_at = now(), replayed = $2 \
-         WHERE batch_id = $1 AND state = $5 AND upper = $3",
+    let committed: i64 = sqlx::query_scalar(
+        "WITH committed AS (\
+           UPDATE batches SET state = $4, committed_at = now(), replayed = $2 \
+           WHERE batch_id = $1 AND state = $5 AND upper = $3 AND task = $7 AND epoch = $8 AND shard_id = $9 \
+           RETURNING 1), \
+         abandoned AS (\
+           UPDATE batches SET state = $6 \
+           WHERE state = $5 AND task = $7 AND epoch = $8 AND shard_id = $9 AND batch_id <> $1 \
+           AND EXISTS (SELECT 1 FROM committed)) \
+         SELECT count(*) FROM committed",
     )
     .bind(batch_id)
     .bind(replayed)
     .bind(upper)
     .bind(BatchState::Committed.as_str())
     .bind(BatchState::Staged.as_str())
-    .execute(conn)
-    .await?
-    .rows_affected();
-    Ok(updated == 1)
+    .bind(BatchState::Abandoned.as_str())
+    .bind(&shard.task)
+    .bind(shard.epoch as i64)
+    .bind(shard.shard_id as i32)
+    .fetch_one(conn)
+    .await?;
+    Ok(committed == 1)
 }
 
 /// Staged → abandoned for `which`; returns how many.

@@ -783,23 +783,7 @@ impl ControlDb {
                 ),
             });
         }
-        let existing = sqlx::query("SELECT content_hash, state FROM batches WHERE batch_id = $1")
-            .bind(batch.batch_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-        if let Some(row) = existing {
-            let hash: String = row.get(0);
-            let state: String = row.get(1);
-            if hash != batch.content_hash {
-                return Err(CoordinatorError::Batch {
-                    batch_id: batch.batch_id.to_string(),
-                    message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
-                });
-            }
-            tx.commit().await?;
-            return Ok(());
-        }
-        batches::register(
+        let registered = batches::register(
             &mut tx,
             Registration {
                 batch_id: batch.batch_id,
@@ -814,6 +798,22 @@ impl ControlDb {
             },
         )
         .await?;
+        if !registered {
+            // Registered before (a retry whose answer was lost, or a replay): the same
+            // content is the same batch; other content under its id is refused.
+            let row = sqlx::query("SELECT content_hash, state FROM batches WHERE batch_id = $1")
+                .bind(batch.batch_id)
+                .fetch_one(&mut *tx)
+                .await?;
+            let hash: String = row.get(0);
+            let state: String = row.get(1);
+            if hash != batch.content_hash {
+                return Err(CoordinatorError::Batch {
+                    batch_id: batch.batch_id.to_string(),
+                    message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
+                });
+            }
+        }
         tx.commit().await?;
         Ok(())
     }
@@ -862,24 +862,21 @@ impl ControlDb {
             )));
         }
         if !commit.empty {
-            let committed =
-                batches::commit(&mut tx, commit.batch_id, cursor_json(commit.upper), commit.replayed).await?;
+            // Also abandons anything else staged from this position: it can never commit now.
+            let committed = batches::commit(
+                &mut tx,
+                commit.batch_id,
+                shard,
+                cursor_json(commit.upper),
+                commit.replayed,
+            )
+            .await?;
             if !committed {
                 return Err(CoordinatorError::Batch {
                     batch_id: commit.batch_id.to_string(),
                     message: "is not a staged batch with these bounds".into(),
                 });
             }
-            // Anything else staged from this position can never commit now.
-            batches::abandon(
-                &mut tx,
-                Staged::Shards {
-                    task: &shard.task,
-                    epoch: shard.epoch,
-                    shard_ids: &[shard.shard_id as i32],
-                },
-            )
-            .await?;
         }
         let phase = if commit.upper.is_incremental() {
             "INCREMENTAL"
@@ -887,11 +884,15 @@ impl ControlDb {
             "SNAPSHOT"
         };
         let new_version = version + 1;
+        // The checkpoint and, for a batch with rows, its history row, in one statement.
         sqlx::query(
-            "UPDATE checkpoints SET cursor = $4, version = $5, phase = $6, \
-             last_batch_id = COALESCE($7, last_batch_id), rows_applied = rows_applied + $8, updated_at = now(), \
-             failures = 0, last_failure = NULL \
-             WHERE task = $1 AND epoch = $2 AND shard_id = $3",
+            "WITH moved AS (\
+               UPDATE checkpoints SET cursor = $4, version = $5, phase = $6, \
+               last_batch_id = COALESCE($7, last_batch_id), rows_applied = rows_applied + $8, updated_at = now(), \
+               failures = 0, last_failure = NULL \
+               WHERE task = $1 AND epoch = $2 AND shard_id = $3 RETURNING 1) \
+             INSERT INTO checkpoint_history (task, epoch, shard_id, version, fence, cursor, batch_id, row_count) \
+             SELECT $1, $2, $3, $5, $9, $4, $7, $8 FROM moved WHERE $7::text IS NOT NULL",
         )
         .bind(&shard.task)
         .bind(shard.epoch as i64)
@@ -901,24 +902,9 @@ impl ControlDb {
         .bind(phase)
         .bind((!commit.empty).then_some(commit.batch_id))
         .bind(commit.row_count as i64)
+        .bind(commit.fence as i64)
         .execute(&mut *tx)
         .await?;
-        if !commit.empty {
-            sqlx::query(
-                "INSERT INTO checkpoint_history (task, epoch, shard_id, version, fence, cursor, batch_id, row_count) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-            )
-            .bind(&shard.task)
-            .bind(shard.epoch as i64)
-            .bind(shard.shard_id as i32)
-            .bind(new_version as i64)
-            .bind(commit.fence as i64)
-            .bind(cursor_json(commit.upper))
-            .bind(commit.batch_id)
-            .bind(commit.row_count as i64)
-            .execute(&mut *tx)
-            .await?;
-        }
         if !commit.late_row_lateness_micros.is_empty() {
             sqlx::query(
                 "INSERT INTO late_rows (task, epoch, shard_id, batch_id, lateness_micros) \
