@@ -146,17 +146,12 @@ impl EtcdLeases {
         // was reset): on an error it is reopened once before the error counts.
         let reused = stream.is_some();
         let mut outcome = self.renew_on(&mut stream, lease_id).await;
-        if reused && matches!(&outcome, Err(error) if !lease_not_found(error)) {
+        if reused && outcome.is_err() {
             outcome = self.renew_on(&mut stream, lease_id).await;
         }
         match outcome {
             Ok(Renewal::Alive) => Ok(true),
             Ok(Renewal::Expired) => {
-                drop(stream);
-                self.keepers.forget(lease_id);
-                Ok(false)
-            }
-            Err(error) if lease_not_found(&error) => {
                 drop(stream);
                 self.keepers.forget(lease_id);
                 Ok(false)
@@ -167,6 +162,7 @@ impl EtcdLeases {
 
     /// One keep-alive on the lease's stream, opening it when there is none. Any error or a
     /// late answer drops the stream, so that no answer is ever read for the wrong request.
+    /// etcd's "lease not found" is an answer: the lease expired.
     async fn renew_on(
         &self,
         stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
@@ -187,6 +183,7 @@ impl EtcdLeases {
             }
         };
         let outcome = match tokio::time::timeout(KEEP_ALIVE_TIMEOUT, renewed).await {
+            Ok(Err(error)) if lease_not_found(&error) => Ok(Renewal::Expired),
             Ok(outcome) => outcome,
             Err(_) => Err(etcd_client::Error::LeaseKeepAliveError(format!(
                 "no keep-alive answer within {KEEP_ALIVE_TIMEOUT:?}"
