@@ -7,6 +7,8 @@
 //! and abandoned are final. Every transition runs on the caller's transaction, beside the
 //! checkpoint change it belongs to.
 
+use std::collections::HashSet;
+
 use sqlx::PgConnection;
 
 use crate::checkpoints::ShardKey;
@@ -90,77 +92,79 @@ pub async fn register(conn: &mut PgConnection, batch: Registration<'_>) -> Resul
     Ok(inserted == 1)
 }
 
-/// Staged → committed, if the batch is staged for `shard` with exactly these upper bounds,
-/// and then every other staged batch of `shard` → abandoned (they were read from the same
-/// position and can never commit now); false, changing nothing, otherwise (the caller
-/// refuses the commit). One statement: a commit is the coordinator's most frequent
-/// transaction, and each round trip counts at thousands of shards (issue 20).
-pub async fn commit(
-    conn: &mut PgConnection,
-    batch_id: &str,
-    shard: &ShardKey,
-    upper: serde_json::Value,
-    replayed: bool,
-) -> Result<bool, sqlx::Error> {
-    let committed: i64 = sqlx::query_scalar(
-        "WITH committed AS (\
-           UPDATE batches SET state = $4, committed_at = now(), replayed = $2 \
-           WHERE batch_id = $1 AND state = $5 AND upper = $3 AND task = $7 AND epoch = $8 AND shard_id = $9 \
-           RETURNING 1), \
+/// One batch of a commit group: `index` names it in the answer.
+pub struct Commit<'a> {
+    pub index: i64,
+    pub batch_id: &'a str,
+    pub shard: &'a ShardKey,
+    pub upper: serde_json::Value,
+    pub replayed: bool,
+}
+
+/// Staged → committed for each batch that is staged for its shard with exactly these upper
+/// bounds, and then every other staged batch of those shards → abandoned (they were read
+/// from the same position and can never commit now). Returns the indices of the batches
+/// committed; the others changed nothing (the caller refuses them). One statement for the
+/// whole group: commits are the coordinator's most frequent transaction (issue 20). The
+/// shards of a group are distinct.
+pub async fn commit(conn: &mut PgConnection, group: &[Commit<'_>]) -> Result<HashSet<i64>, sqlx::Error> {
+    if group.is_empty() {
+        return Ok(HashSet::new());
+    }
+    // The states are literals, not parameters: a generic plan could not use the partial
+    // index `batches_staged` for a parameter.
+    let committed: Vec<i64> = sqlx::query_scalar(
+        "WITH g AS (SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bigint[], $5::int[], $6::jsonb[], \
+           $7::bool[]) AS g(i, batch_id, task, epoch, shard_id, upper, replayed)), \
+         committed AS (\
+           UPDATE batches b SET state = 'COMMITTED', committed_at = now(), replayed = g.replayed FROM g \
+           WHERE b.batch_id = g.batch_id AND b.state = 'STAGED' AND b.upper = g.upper AND b.task = g.task \
+           AND b.epoch = g.epoch AND b.shard_id = g.shard_id \
+           RETURNING g.i, b.task, b.epoch, b.shard_id, b.batch_id), \
          abandoned AS (\
-           UPDATE batches SET state = $6 \
-           WHERE state = $5 AND task = $7 AND epoch = $8 AND shard_id = $9 AND batch_id <> $1 \
-           AND EXISTS (SELECT 1 FROM committed)) \
-         SELECT count(*) FROM committed",
+           UPDATE batches b SET state = 'ABANDONED' FROM committed k \
+           WHERE b.state = 'STAGED' AND b.task = k.task AND b.epoch = k.epoch AND b.shard_id = k.shard_id \
+           AND b.batch_id <> k.batch_id) \
+         SELECT i FROM committed",
     )
-    .bind(batch_id)
-    .bind(replayed)
-    .bind(upper)
-    .bind(BatchState::Committed.as_str())
-    .bind(BatchState::Staged.as_str())
-    .bind(BatchState::Abandoned.as_str())
-    .bind(&shard.task)
-    .bind(shard.epoch as i64)
-    .bind(shard.shard_id as i32)
-    .fetch_one(conn)
+    .bind(group.iter().map(|c| c.index).collect::<Vec<_>>())
+    .bind(group.iter().map(|c| c.batch_id).collect::<Vec<_>>())
+    .bind(group.iter().map(|c| c.shard.task.as_str()).collect::<Vec<_>>())
+    .bind(group.iter().map(|c| c.shard.epoch as i64).collect::<Vec<_>>())
+    .bind(group.iter().map(|c| c.shard.shard_id as i32).collect::<Vec<_>>())
+    .bind(group.iter().map(|c| c.upper.clone()).collect::<Vec<_>>())
+    .bind(group.iter().map(|c| c.replayed).collect::<Vec<_>>())
+    .fetch_all(conn)
     .await?;
-    Ok(committed == 1)
+    Ok(committed.into_iter().collect())
 }
 
 /// Staged → abandoned for `which`; returns how many.
 pub async fn abandon(conn: &mut PgConnection, which: Staged<'_>) -> Result<u64, sqlx::Error> {
-    let abandoned = BatchState::Abandoned.as_str();
-    let staged = BatchState::Staged.as_str();
+    // Literal states, as in `commit`.
     let query = match which {
         Staged::Batch { batch_id, shard } => sqlx::query(
-            "UPDATE batches SET state = $1 WHERE state = $2 AND batch_id = $3 AND task = $4 AND epoch = $5 \
-             AND shard_id = $6",
+            "UPDATE batches SET state = 'ABANDONED' WHERE state = 'STAGED' AND batch_id = $1 AND task = $2 \
+             AND epoch = $3 AND shard_id = $4",
         )
-        .bind(abandoned)
-        .bind(staged)
         .bind(batch_id)
         .bind(&shard.task)
         .bind(shard.epoch as i64)
         .bind(shard.shard_id as i32),
         Staged::Shards { task, epoch, shard_ids } => sqlx::query(
-            "UPDATE batches SET state = $1 WHERE state = $2 AND task = $3 AND epoch = $4 AND shard_id = ANY($5)",
+            "UPDATE batches SET state = 'ABANDONED' WHERE state = 'STAGED' AND task = $1 AND epoch = $2 \
+             AND shard_id = ANY($3)",
         )
-        .bind(abandoned)
-        .bind(staged)
         .bind(task)
         .bind(epoch as i64)
         .bind(shard_ids),
         Staged::Epoch { task, epoch } => {
-            sqlx::query("UPDATE batches SET state = $1 WHERE state = $2 AND task = $3 AND epoch = $4")
-                .bind(abandoned)
-                .bind(staged)
+            sqlx::query("UPDATE batches SET state = 'ABANDONED' WHERE state = 'STAGED' AND task = $1 AND epoch = $2")
                 .bind(task)
                 .bind(epoch as i64)
         }
         Staged::EpochsBefore { task, epoch } => {
-            sqlx::query("UPDATE batches SET state = $1 WHERE state = $2 AND task = $3 AND epoch < $4")
-                .bind(abandoned)
-                .bind(staged)
+            sqlx::query("UPDATE batches SET state = 'ABANDONED' WHERE state = 'STAGED' AND task = $1 AND epoch < $2")
                 .bind(task)
                 .bind(epoch as i64)
         }
@@ -178,5 +182,9 @@ mod tests {
             assert_eq!(BatchState::parse(state.as_str()), Some(state));
         }
         assert_eq!(BatchState::parse("staged"), None);
+        // The statements above write these literals.
+        assert_eq!(BatchState::Staged.as_str(), "STAGED");
+        assert_eq!(BatchState::Committed.as_str(), "COMMITTED");
+        assert_eq!(BatchState::Abandoned.as_str(), "ABANDONED");
     }
 }

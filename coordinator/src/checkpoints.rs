@@ -4,6 +4,7 @@
 //! token (only the current lease holder may move it), the CAS version and the lower bound,
 //! and then advances. Nothing else writes `cursor`, `version` or `fence`.
 
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -11,7 +12,7 @@ use sqlx::{Acquire, Row};
 use tidemark_common::cursor::Cursor;
 use tidemark_common::pg::{Column, connect_options, quote_ident};
 
-use crate::batches::{self, BatchState, Registration, Staged};
+use crate::batches::{self, Registration, Staged};
 use crate::error::{CoordinatorError, display_url};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/control");
@@ -120,17 +121,71 @@ pub struct Committed {
     pub repeated: bool,
 }
 
-pub struct CommitBatch<'a> {
-    pub shard: &'a ShardKey,
+pub struct CommitBatch {
+    pub shard: ShardKey,
     pub fence: u64,
     pub expected_version: u64,
-    pub batch_id: &'a str,
-    pub lower: &'a Cursor,
-    pub upper: &'a Cursor,
+    pub batch_id: String,
+    pub lower: Cursor,
+    pub upper: Cursor,
     pub row_count: u64,
     pub empty: bool,
     pub replayed: bool,
-    pub late_row_lateness_micros: &'a [i64],
+    pub late_row_lateness_micros: Vec<i64>,
+}
+
+/// What the checks on a locked checkpoint decided for one commit.
+enum Judged {
+    /// A retry of a commit that already succeeded.
+    Repeated(Committed),
+    /// The commit may move the checkpoint from `version`.
+    Proceed { version: u64, release_requested: bool },
+}
+
+/// The compare-and-swap's checks of one commit against its shard's locked checkpoint.
+///
+/// A retry of a commit that already succeeded (its reply was lost) is recognised by the
+/// stored cursor and last batch id and answered with the current version.
+fn judge(commit: &CommitBatch, locked: LockedCheckpoint) -> Result<Judged, CoordinatorError> {
+    let LockedCheckpoint {
+        cursor,
+        version,
+        last_batch_id,
+        release_requested,
+    } = locked;
+    if !commit.empty
+        && cursor == commit.upper
+        && last_batch_id.as_deref() == Some(commit.batch_id.as_str())
+        && version == commit.expected_version + 1
+    {
+        return Ok(Judged::Repeated(Committed {
+            new_version: version,
+            release_requested,
+            repeated: true,
+        }));
+    }
+    let conflict = |message: String| CoordinatorError::CheckpointConflict {
+        task: commit.shard.task.clone(),
+        shard: commit.shard.shard_id,
+        message,
+    };
+    if version != commit.expected_version {
+        return Err(conflict(format!(
+            "expected version {}, found {version}",
+            commit.expected_version
+        )));
+    }
+    if cursor != commit.lower {
+        return Err(conflict(format!(
+            "batch lower bound {} is not the committed cursor {}",
+            commit.lower.describe(),
+            cursor.describe()
+        )));
+    }
+    Ok(Judged::Proceed {
+        version,
+        release_requested,
+    })
 }
 
 /// Late rows of a task's current epoch.
@@ -175,6 +230,68 @@ fn parse_cursor(text: &str) -> Result<Cursor, CoordinatorError> {
 
 fn cursor_json(cursor: &Cursor) -> serde_json::Value {
     serde_json::to_value(cursor).expect("cursor serializes")
+}
+
+/// Locks the checkpoint rows of the shards given as three arrays (task, epoch, shard id), in
+/// key order (two groups never wait on each other in a cycle), with what the owner checks
+/// need. Column 0 is the shard's 1-based position in the arrays.
+const LOCK_COLUMNS_FROM: &str = "SELECT g.i, c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason, \
+     t.current_epoch, c.retired, c.release_requested, \
+     EXISTS (SELECT 1 FROM running_epochs r WHERE r.task = c.task AND r.epoch = c.epoch) \
+     FROM unnest($1::text[], $2::bigint[], $3::int[]) WITH ORDINALITY AS g(task, epoch, shard_id, i) \
+     JOIN checkpoints c ON c.task = g.task AND c.epoch = g.epoch AND c.shard_id = g.shard_id \
+     JOIN tasks t ON t.name = c.task \
+     ORDER BY c.task, c.epoch, c.shard_id FOR UPDATE OF c";
+
+/// The checks of a change by the shard's owner on its locked row (`LOCK_COLUMNS_FROM`):
+/// the shard exists, `fence` is current, the shard is not retired, its epoch runs, and the
+/// task is not paused, refused in that order.
+fn checked_lock(
+    row: Option<&sqlx::postgres::PgRow>,
+    shard: &ShardKey,
+    fence: u64,
+) -> Result<LockedCheckpoint, CoordinatorError> {
+    let row = row.ok_or_else(|| {
+        CoordinatorError::InvalidRequest(format!(
+            "no shard {} in epoch {} of task {}",
+            shard.shard_id, shard.epoch, shard.task
+        ))
+    })?;
+    let current_fence = row.get::<i64, _>(3) as u64;
+    if current_fence != fence {
+        return Err(CoordinatorError::Fenced {
+            task: shard.task.clone(),
+            shard: shard.shard_id,
+            current: current_fence,
+            given: fence,
+        });
+    }
+    let current_epoch = row.get::<i64, _>(6) as u64;
+    if row.get::<bool, _>(7) {
+        return Err(CoordinatorError::ShardRetired {
+            task: shard.task.clone(),
+            shard: shard.shard_id,
+        });
+    }
+    if !row.get::<bool, _>(9) {
+        return Err(CoordinatorError::EpochSuperseded {
+            task: shard.task.clone(),
+            epoch: shard.epoch,
+            current: current_epoch,
+        });
+    }
+    if let Some(reason) = row.get::<Option<String>, _>(5) {
+        return Err(CoordinatorError::Paused {
+            task: shard.task.clone(),
+            reason,
+        });
+    }
+    Ok(LockedCheckpoint {
+        cursor: decode_cursor(row.get(1))?,
+        version: row.get::<i64, _>(2) as u64,
+        last_batch_id: row.get(4),
+        release_requested: row.get(8),
+    })
 }
 
 impl ControlDb {
@@ -682,14 +799,13 @@ impl ControlDb {
     ) -> Result<Option<PendingBatchRecord>, CoordinatorError> {
         let row = sqlx::query(
             "SELECT batch_id, manifest_path, lower, upper, row_count, content_hash FROM batches \
-             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND state = $5 AND lower = $4 \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND state = 'STAGED' AND lower = $4 \
              ORDER BY staged_at LIMIT 1",
         )
         .bind(&shard.task)
         .bind(shard.epoch as i64)
         .bind(shard.shard_id as i32)
         .bind(cursor_json(cursor))
-        .bind(BatchState::Staged.as_str())
         .fetch_optional(&self.pool)
         .await?;
         row.map(|row| {
@@ -711,58 +827,13 @@ impl ControlDb {
         shard: &ShardKey,
         fence: u64,
     ) -> Result<LockedCheckpoint, CoordinatorError> {
-        let row = sqlx::query(
-            "SELECT c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason, t.current_epoch, c.retired, \
-             c.release_requested, EXISTS (SELECT 1 FROM running_epochs r WHERE r.task = c.task AND r.epoch = c.epoch) \
-             FROM checkpoints c JOIN tasks t ON t.name = c.task \
-             WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3 FOR UPDATE OF c",
-        )
-        .bind(&shard.task)
-        .bind(shard.epoch as i64)
-        .bind(shard.shard_id as i32)
-        .fetch_optional(&mut *conn)
-        .await?
-        .ok_or_else(|| {
-            CoordinatorError::InvalidRequest(format!(
-                "no shard {} in epoch {} of task {}",
-                shard.shard_id, shard.epoch, shard.task
-            ))
-        })?;
-        let current_fence = row.get::<i64, _>(2) as u64;
-        if current_fence != fence {
-            return Err(CoordinatorError::Fenced {
-                task: shard.task.clone(),
-                shard: shard.shard_id,
-                current: current_fence,
-                given: fence,
-            });
-        }
-        let current_epoch = row.get::<i64, _>(5) as u64;
-        if row.get::<bool, _>(6) {
-            return Err(CoordinatorError::ShardRetired {
-                task: shard.task.clone(),
-                shard: shard.shard_id,
-            });
-        }
-        if !row.get::<bool, _>(8) {
-            return Err(CoordinatorError::EpochSuperseded {
-                task: shard.task.clone(),
-                epoch: shard.epoch,
-                current: current_epoch,
-            });
-        }
-        if let Some(reason) = row.get::<Option<String>, _>(4) {
-            return Err(CoordinatorError::Paused {
-                task: shard.task.clone(),
-                reason,
-            });
-        }
-        Ok(LockedCheckpoint {
-            cursor: decode_cursor(row.get(0))?,
-            version: row.get::<i64, _>(1) as u64,
-            last_batch_id: row.get(3),
-            release_requested: row.get(7),
-        })
+        let row = sqlx::query(LOCK_COLUMNS_FROM)
+            .bind(vec![shard.task.as_str()])
+            .bind(vec![shard.epoch as i64])
+            .bind(vec![shard.shard_id as i32])
+            .fetch_optional(&mut *conn)
+            .await?;
+        checked_lock(row.as_ref(), shard, fence)
     }
 
     /// Records a staged batch. Its bounds are fixed from here on (invariant 2): registering the
@@ -819,111 +890,162 @@ impl ControlDb {
     }
 
     /// The compare-and-swap that advances a shard. Returns the new checkpoint version.
-    ///
-    /// A retry of a commit that already succeeded (its reply was lost) is recognised by the
-    /// stored cursor and last batch id and answered with the current version.
-    pub async fn commit_batch(&self, commit: &CommitBatch<'_>) -> Result<Committed, CoordinatorError> {
-        let shard = commit.shard;
-        let conflict = |message: String| CoordinatorError::CheckpointConflict {
-            task: shard.task.clone(),
-            shard: shard.shard_id,
-            message,
-        };
+    pub async fn commit_batch(&self, commit: &CommitBatch) -> Result<Committed, CoordinatorError> {
+        let mut outcomes = self.commit_batches(std::slice::from_ref(commit)).await?;
+        outcomes.pop().expect("one outcome per commit")
+    }
+
+    /// The compare-and-swap for a group of commits of distinct shards, in one transaction of
+    /// five statements whatever the group's size: each commit is checked against its own
+    /// locked checkpoint and refused on its own, exactly as alone. One outcome per commit,
+    /// in order. Err: the transaction failed, and no commit of the group took effect.
+    pub async fn commit_batches(
+        &self,
+        group: &[CommitBatch],
+    ) -> Result<Vec<Result<Committed, CoordinatorError>>, CoordinatorError> {
+        debug_assert!(
+            group.iter().map(|c| &c.shard).collect::<HashSet<_>>().len() == group.len(),
+            "a commit group holds distinct shards"
+        );
         let mut tx = self.pool.begin().await?;
-        let LockedCheckpoint {
-            cursor,
-            version,
-            last_batch_id,
-            release_requested,
-        } = Self::lock_checkpoint(tx.acquire().await?, shard, commit.fence).await?;
-        if !commit.empty
-            && &cursor == commit.upper
-            && last_batch_id.as_deref() == Some(commit.batch_id)
-            && version == commit.expected_version + 1
-        {
-            tx.commit().await?;
-            return Ok(Committed {
-                new_version: version,
-                release_requested,
-                repeated: true,
-            });
-        }
-        if version != commit.expected_version {
-            return Err(conflict(format!(
-                "expected version {}, found {version}",
-                commit.expected_version
-            )));
-        }
-        if &cursor != commit.lower {
-            return Err(conflict(format!(
-                "batch lower bound {} is not the committed cursor {}",
-                commit.lower.describe(),
-                cursor.describe()
-            )));
-        }
-        if !commit.empty {
-            // Also abandons anything else staged from this position: it can never commit now.
-            let committed = batches::commit(
-                &mut tx,
-                commit.batch_id,
-                shard,
-                cursor_json(commit.upper),
-                commit.replayed,
-            )
+        let rows = sqlx::query(LOCK_COLUMNS_FROM)
+            .bind(group.iter().map(|c| c.shard.task.as_str()).collect::<Vec<_>>())
+            .bind(group.iter().map(|c| c.shard.epoch as i64).collect::<Vec<_>>())
+            .bind(group.iter().map(|c| c.shard.shard_id as i32).collect::<Vec<_>>())
+            .fetch_all(&mut *tx)
             .await?;
-            if !committed {
-                return Err(CoordinatorError::Batch {
-                    batch_id: commit.batch_id.to_string(),
+        let mut locked: HashMap<i64, sqlx::postgres::PgRow> =
+            rows.into_iter().map(|row| (row.get::<i64, _>(0), row)).collect();
+        let mut outcomes: Vec<Result<Judged, CoordinatorError>> = group
+            .iter()
+            .enumerate()
+            .map(|(i, commit)| {
+                checked_lock(locked.remove(&(i as i64 + 1)).as_ref(), &commit.shard, commit.fence)
+                    .and_then(|row| judge(commit, row))
+            })
+            .collect();
+        let with_rows: Vec<batches::Commit> = group
+            .iter()
+            .zip(&outcomes)
+            .enumerate()
+            .filter(|(_, (commit, judged))| !commit.empty && matches!(judged, Ok(Judged::Proceed { .. })))
+            .map(|(i, (commit, _))| batches::Commit {
+                index: i as i64,
+                batch_id: &commit.batch_id,
+                shard: &commit.shard,
+                upper: cursor_json(&commit.upper),
+                replayed: commit.replayed,
+            })
+            .collect();
+        // Also abandons anything else staged from these positions: it can never commit now.
+        let committed = batches::commit(&mut tx, &with_rows).await?;
+        for batch in &with_rows {
+            if !committed.contains(&batch.index) {
+                outcomes[batch.index as usize] = Err(CoordinatorError::Batch {
+                    batch_id: batch.batch_id.to_string(),
                     message: "is not a staged batch with these bounds".into(),
                 });
             }
         }
-        let phase = if commit.upper.is_incremental() {
-            "INCREMENTAL"
-        } else {
-            "SNAPSHOT"
-        };
-        let new_version = version + 1;
-        // The checkpoint and, for a batch with rows, its history row, in one statement.
-        sqlx::query(
-            "WITH moved AS (\
-               UPDATE checkpoints SET cursor = $4, version = $5, phase = $6, \
-               last_batch_id = COALESCE($7, last_batch_id), rows_applied = rows_applied + $8, updated_at = now(), \
-               failures = 0, last_failure = NULL \
-               WHERE task = $1 AND epoch = $2 AND shard_id = $3 RETURNING 1) \
-             INSERT INTO checkpoint_history (task, epoch, shard_id, version, fence, cursor, batch_id, row_count) \
-             SELECT $1, $2, $3, $5, $9, $4, $7, $8 FROM moved WHERE $7::text IS NOT NULL",
-        )
-        .bind(&shard.task)
-        .bind(shard.epoch as i64)
-        .bind(shard.shard_id as i32)
-        .bind(cursor_json(commit.upper))
-        .bind(new_version as i64)
-        .bind(phase)
-        .bind((!commit.empty).then_some(commit.batch_id))
-        .bind(commit.row_count as i64)
-        .bind(commit.fence as i64)
-        .execute(&mut *tx)
-        .await?;
-        if !commit.late_row_lateness_micros.is_empty() {
-            sqlx::query(
-                "INSERT INTO late_rows (task, epoch, shard_id, batch_id, lateness_micros) \
-                 SELECT $1, $2, $3, $4, unnest($5::bigint[])",
-            )
-            .bind(&shard.task)
-            .bind(shard.epoch as i64)
-            .bind(shard.shard_id as i32)
-            .bind(commit.batch_id)
-            .bind(commit.late_row_lateness_micros)
-            .execute(&mut *tx)
-            .await?;
+        let moving: Vec<(usize, &CommitBatch, u64)> = group
+            .iter()
+            .zip(&outcomes)
+            .enumerate()
+            .filter_map(|(i, (commit, judged))| match judged {
+                Ok(Judged::Proceed { version, .. }) => Some((i, commit, version + 1)),
+                _ => None,
+            })
+            .collect();
+        if !moving.is_empty() {
+            Self::move_checkpoints(&mut tx, &moving).await?;
         }
         tx.commit().await?;
-        Ok(Committed {
-            new_version,
-            release_requested,
-            repeated: false,
-        })
+        Ok(outcomes
+            .into_iter()
+            .map(|judged| {
+                Ok(match judged? {
+                    Judged::Repeated(committed) => committed,
+                    Judged::Proceed {
+                        version,
+                        release_requested,
+                    } => Committed {
+                        new_version: version + 1,
+                        release_requested,
+                        repeated: false,
+                    },
+                })
+            })
+            .collect())
+    }
+
+    /// Moves the checkpoints of `moving` (position in the group, commit, new version), adds
+    /// the history row of each commit with rows and records their late rows: one statement.
+    async fn move_checkpoints(
+        tx: &mut sqlx::PgConnection,
+        moving: &[(usize, &CommitBatch, u64)],
+    ) -> Result<(), CoordinatorError> {
+        let late: Vec<(i64, i64)> = moving
+            .iter()
+            .flat_map(|(i, commit, _)| commit.late_row_lateness_micros.iter().map(|l| (*i as i64, *l)))
+            .collect();
+        let moved: i64 = sqlx::query_scalar(
+            "WITH g AS (SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::int[], $5::jsonb[], \
+               $6::bigint[], $7::text[], $8::text[], $9::bool[], $10::bigint[], $11::bigint[]) \
+               AS g(i, task, epoch, shard_id, cursor, version, phase, batch_id, empty, row_count, fence)), \
+             moved AS (\
+               UPDATE checkpoints c SET cursor = g.cursor, version = g.version, phase = g.phase, \
+               last_batch_id = CASE WHEN g.empty THEN c.last_batch_id ELSE g.batch_id END, \
+               rows_applied = c.rows_applied + g.row_count, updated_at = now(), failures = 0, last_failure = NULL \
+               FROM g WHERE c.task = g.task AND c.epoch = g.epoch AND c.shard_id = g.shard_id RETURNING 1), \
+             history AS (\
+               INSERT INTO checkpoint_history (task, epoch, shard_id, version, fence, cursor, batch_id, row_count) \
+               SELECT task, epoch, shard_id, version, fence, cursor, batch_id, row_count FROM g WHERE NOT empty), \
+             late AS (\
+               INSERT INTO late_rows (task, epoch, shard_id, batch_id, lateness_micros) \
+               SELECT g.task, g.epoch, g.shard_id, g.batch_id, l.lateness \
+               FROM unnest($12::bigint[], $13::bigint[]) AS l(i, lateness) JOIN g ON g.i = l.i) \
+             SELECT count(*) FROM moved",
+        )
+        .bind(moving.iter().map(|(i, _, _)| *i as i64).collect::<Vec<_>>())
+        .bind(moving.iter().map(|(_, c, _)| c.shard.task.as_str()).collect::<Vec<_>>())
+        .bind(moving.iter().map(|(_, c, _)| c.shard.epoch as i64).collect::<Vec<_>>())
+        .bind(
+            moving
+                .iter()
+                .map(|(_, c, _)| c.shard.shard_id as i32)
+                .collect::<Vec<_>>(),
+        )
+        .bind(moving.iter().map(|(_, c, _)| cursor_json(&c.upper)).collect::<Vec<_>>())
+        .bind(moving.iter().map(|(_, _, v)| *v as i64).collect::<Vec<_>>())
+        .bind(
+            moving
+                .iter()
+                .map(|(_, c, _)| {
+                    if c.upper.is_incremental() {
+                        "INCREMENTAL"
+                    } else {
+                        "SNAPSHOT"
+                    }
+                })
+                .collect::<Vec<_>>(),
+        )
+        .bind(moving.iter().map(|(_, c, _)| c.batch_id.as_str()).collect::<Vec<_>>())
+        .bind(moving.iter().map(|(_, c, _)| c.empty).collect::<Vec<_>>())
+        .bind(moving.iter().map(|(_, c, _)| c.row_count as i64).collect::<Vec<_>>())
+        .bind(moving.iter().map(|(_, c, _)| c.fence as i64).collect::<Vec<_>>())
+        .bind(late.iter().map(|(i, _)| *i).collect::<Vec<_>>())
+        .bind(late.iter().map(|(_, l)| *l).collect::<Vec<_>>())
+        .fetch_one(&mut *tx)
+        .await?;
+        if moved as usize != moving.len() {
+            // The rows are locked: this cannot happen short of a bug; roll the group back.
+            return Err(CoordinatorError::InvalidRequest(format!(
+                "{} of {} locked checkpoints moved",
+                moved,
+                moving.len()
+            )));
+        }
+        Ok(())
     }
 
     /// Marks a staged batch ABANDONED on behalf of the shard's current owner and bumps the

@@ -6,6 +6,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tidemark_common::metrics::{CounterFamily, GaugeFamily, labels, register_trace_counters};
 
@@ -29,6 +30,8 @@ pub struct CoordinatorMetrics {
     pub task_paused: GaugeFamily,
     pub shards_unassigned: GaugeFamily,
     pub leader: Gauge,
+    /// Commits per control transaction (`commit_groups`).
+    pub commit_group_size: Histogram,
 }
 
 pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorMetrics {
@@ -48,6 +51,7 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     task_paused: GaugeFamily::default(),
     shards_unassigned: GaugeFamily::default(),
     leader: Gauge::default(),
+    commit_group_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
 });
 
 pub fn count(family: &CounterFamily, pairs: &[(&str, &str)], by: u64) {
@@ -132,6 +136,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "tidemark_leader",
         "1 while this replica is the leader",
         m.leader.clone(),
+    );
+    r.register(
+        "tidemark_commit_group_size",
+        "Commits per control-database transaction (commits that arrive together share one)",
+        m.commit_group_size.clone(),
     );
     let refresh = register_trace_counters(&mut r);
     (Arc::new(r), refresh)

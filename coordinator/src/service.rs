@@ -15,6 +15,7 @@ use tidemark_common::contract::{self, Contract};
 use crate::checkpoints::ShardStatusRow;
 use crate::checkpoints::{CommitBatch, ControlDb, EpochRecord, RegisterBatch, ShardKey, parse_request_cursor};
 use crate::claim_queue::ClaimQueue;
+use crate::commit_groups::CommitGroups;
 use crate::engines;
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
@@ -48,6 +49,7 @@ pub struct CoordinatorService {
     inner: Arc<Coordinator>,
     claims: Arc<ClaimQueue>,
     seen: Arc<WorkersSeen>,
+    commits: Arc<CommitGroups>,
 }
 
 impl CoordinatorService {
@@ -56,6 +58,7 @@ impl CoordinatorService {
             inner: Arc::new(coordinator),
             claims: Arc::new(ClaimQueue::default()),
             seen: Arc::new(WorkersSeen::default()),
+            commits: Arc::new(CommitGroups::default()),
         }
     }
 
@@ -311,7 +314,7 @@ impl CoordinatorService {
 
     async fn commit_batch_in(
         &self,
-        request: pb::CommitBatchRequest,
+        mut request: pb::CommitBatchRequest,
     ) -> Result<Response<pb::CommitBatchResponse>, Status> {
         self.inner.leadership.require().await?;
         self.task(&request.task)?;
@@ -319,20 +322,22 @@ impl CoordinatorService {
         let lower = parse_request_cursor(&request.lower)?;
         let upper = parse_request_cursor(&request.upper)?;
         let result = self
-            .inner
-            .control
-            .commit_batch(&CommitBatch {
-                shard: &shard,
-                fence: request.fence_token,
-                expected_version: request.expected_version,
-                batch_id: &request.batch_id,
-                lower: &lower,
-                upper: &upper,
-                row_count: request.row_count,
-                empty: request.empty,
-                replayed: request.replayed,
-                late_row_lateness_micros: &request.late_row_lateness_micros,
-            })
+            .commits
+            .commit(
+                &self.inner.control,
+                CommitBatch {
+                    shard: shard.clone(),
+                    fence: request.fence_token,
+                    expected_version: request.expected_version,
+                    batch_id: request.batch_id.clone(),
+                    lower,
+                    upper,
+                    row_count: request.row_count,
+                    empty: request.empty,
+                    replayed: request.replayed,
+                    late_row_lateness_micros: std::mem::take(&mut request.late_row_lateness_micros),
+                },
+            )
             .await;
         match result {
             Ok(committed) => {

@@ -678,3 +678,233 @@ async fn sigterm_drains_the_worker_and_releases_its_shards_at_once() {
         )
         .await;
 }
+
+/// One commit group, seven commits of seven shards in one control transaction: each is
+/// checked against its own shard and answered on its own, exactly as alone. The valid
+/// ones move their checkpoint (with history, late rows, and the other staged batch of the
+/// same position abandoned); the fenced one, the stale version, the unregistered batch and
+/// the unknown shard change nothing. The same group again is answered as retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_group_answers_each_commit_on_its_own() {
+    use tidemark_coordinator::checkpoints::{CommitBatch, ControlDb, ShardKey};
+    use tidemark_coordinator::error::CoordinatorError;
+
+    let mut cluster = Cluster::new("group").await;
+    create_items(&cluster.source, KeyKind::Bigint, 600).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 6,
+            ..TaskSettings::default()
+        })
+        .await;
+    let mut client = worker_client(&cluster).await;
+    let mut owned = Vec::new();
+    for n in 0..6 {
+        let assignment = register_and_acquire(&mut client, &format!("w{n}"))
+            .await
+            .expect("a free shard");
+        owned.push(assignment);
+    }
+    owned.sort_by_key(|a| a.shard_id);
+    let [a, b, c, d, e, f] = &owned[..] else {
+        panic!("six shards")
+    };
+    let upper_of = |assignment: &pb::ShardAssignment, key: i64| {
+        Cursor::new(
+            assignment.epoch,
+            Position::Snapshot {
+                after_key: Some(vec![KeyValue {
+                    sql_type: "bigint".into(),
+                    value: key.to_string(),
+                }]),
+            },
+        )
+    };
+    let register = |assignment: &pb::ShardAssignment, batch_id: &str, upper: &Cursor| pb::RegisterBatchRequest {
+        worker_id: format!("w{}", assignment.shard_id),
+        task: "items".into(),
+        epoch: assignment.epoch,
+        shard_id: assignment.shard_id,
+        fence_token: assignment.fence_token,
+        batch_id: batch_id.into(),
+        lower: assignment.cursor.clone(),
+        upper: upper.encode(),
+        row_count: 10,
+        byte_size: 100,
+        content_hash: format!("sha256:{batch_id}"),
+        manifest_path: format!("{batch_id}.manifest"),
+    };
+    let (a_upper, e_upper, f_upper) = (upper_of(a, 10), upper_of(e, 20), upper_of(f, 30));
+    for request in [
+        register(a, "a-1", &a_upper),
+        register(f, "f-1", &f_upper),
+        // Read from the same position as f-1: it can never commit once f-1 has.
+        register(f, "f-2", &upper_of(f, 31)),
+    ] {
+        client.register_batch(request).await.unwrap();
+    }
+    let commit = |assignment: &pb::ShardAssignment, batch_id: &str, upper: &Cursor, empty: bool| CommitBatch {
+        shard: ShardKey {
+            task: "items".into(),
+            epoch: assignment.epoch,
+            shard_id: assignment.shard_id,
+        },
+        fence: assignment.fence_token,
+        expected_version: assignment.checkpoint_version,
+        batch_id: batch_id.into(),
+        lower: Cursor::decode(&assignment.cursor).unwrap(),
+        upper: upper.clone(),
+        row_count: if empty { 0 } else { 10 },
+        empty,
+        replayed: false,
+        late_row_lateness_micros: Vec::new(),
+    };
+    let mut fenced = commit(b, "b-1", &upper_of(b, 1), true);
+    fenced.fence += 1;
+    let mut stale = commit(c, "c-1", &upper_of(c, 1), true);
+    stale.expected_version += 5;
+    let mut unknown = commit(a, "x-1", &upper_of(a, 1), true);
+    unknown.shard.shard_id = 99;
+    let mut with_late_rows = commit(f, "f-1", &f_upper, false);
+    with_late_rows.late_row_lateness_micros = vec![5_000, 7_000];
+    let group = vec![
+        commit(a, "a-1", &a_upper, false),
+        fenced,
+        stale,
+        commit(d, "d-never-registered", &upper_of(d, 1), false),
+        commit(e, "e-empty", &e_upper, true),
+        with_late_rows,
+        unknown,
+    ];
+    let before: Vec<_> = checkpoint_rows(&cluster, &owned).await;
+    let control = ControlDb::connect(&cluster.control.url, None).await.unwrap();
+    let outcomes = control.commit_batches(&group).await.expect("the group's transaction");
+    assert_eq!(outcomes.len(), 7);
+    let ok = |i: usize| match &outcomes[i] {
+        Ok(committed) => *committed,
+        Err(error) => panic!("commit {i} refused: {error}"),
+    };
+    assert_eq!((ok(0).new_version, ok(0).repeated), (a.checkpoint_version + 1, false));
+    assert!(
+        matches!(&outcomes[1], Err(CoordinatorError::Fenced { current, given, .. }) if *current == b.fence_token && *given == b.fence_token + 1),
+        "{:?}",
+        outcomes[1]
+    );
+    assert!(
+        matches!(&outcomes[2], Err(CoordinatorError::CheckpointConflict { message, .. }) if message.contains("expected version")),
+        "{:?}",
+        outcomes[2]
+    );
+    assert!(
+        matches!(&outcomes[3], Err(CoordinatorError::Batch { batch_id, .. }) if batch_id == "d-never-registered"),
+        "{:?}",
+        outcomes[3]
+    );
+    assert_eq!(ok(4).new_version, e.checkpoint_version + 1);
+    assert_eq!(ok(5).new_version, f.checkpoint_version + 1);
+    assert!(
+        matches!(&outcomes[6], Err(CoordinatorError::InvalidRequest(message)) if message.contains("no shard 99")),
+        "{:?}",
+        outcomes[6]
+    );
+
+    // Per shard: the cursor and version moved exactly for a, e and f.
+    let after = checkpoint_rows(&cluster, &owned).await;
+    for (i, assignment) in owned.iter().enumerate() {
+        let (cursor, version, fence) = &after[i];
+        let moved_to = match assignment.shard_id {
+            id if id == a.shard_id => Some(&a_upper),
+            id if id == e.shard_id => Some(&e_upper),
+            id if id == f.shard_id => Some(&f_upper),
+            _ => None,
+        };
+        match moved_to {
+            Some(upper) => {
+                assert_eq!(
+                    &Cursor::decode(&cursor.to_string()).unwrap(),
+                    upper,
+                    "shard {}",
+                    assignment.shard_id
+                );
+                assert_eq!(*version, before[i].1 + 1, "shard {}", assignment.shard_id);
+            }
+            None => assert_eq!(&after[i], &before[i], "shard {} must not move", assignment.shard_id),
+        }
+        assert_eq!(*fence, assignment.fence_token as i64);
+    }
+    let states: Vec<(String, String)> = sqlx::query_as("SELECT batch_id, state FROM batches ORDER BY batch_id")
+        .fetch_all(&cluster.control.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        states,
+        vec![
+            ("a-1".to_string(), "COMMITTED".to_string()),
+            ("f-1".to_string(), "COMMITTED".to_string()),
+            ("f-2".to_string(), "ABANDONED".to_string()),
+        ]
+    );
+    let history: Vec<(i32, i64, String, i64)> =
+        sqlx::query_as("SELECT shard_id, version, batch_id, row_count FROM checkpoint_history ORDER BY shard_id")
+            .fetch_all(&cluster.control.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        history,
+        vec![
+            (
+                a.shard_id as i32,
+                a.checkpoint_version as i64 + 1,
+                "a-1".to_string(),
+                10
+            ),
+            (
+                f.shard_id as i32,
+                f.checkpoint_version as i64 + 1,
+                "f-1".to_string(),
+                10
+            ),
+        ],
+        "one history row per commit with rows, none for the empty advance"
+    );
+    let late: Vec<(i32, String, i64)> =
+        sqlx::query_as("SELECT shard_id, batch_id, lateness_micros FROM late_rows ORDER BY lateness_micros")
+            .fetch_all(&cluster.control.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        late,
+        vec![
+            (f.shard_id as i32, "f-1".to_string(), 5_000),
+            (f.shard_id as i32, "f-1".to_string(), 7_000)
+        ]
+    );
+
+    // The same group again, as if every reply had been lost: the commits with rows are
+    // recognised as retries, the empty advance's version moved on, nothing changes.
+    let again = control.commit_batches(&group).await.expect("the group's transaction");
+    for i in [0, 5] {
+        let committed = again[i].as_ref().expect("a retry of a commit that succeeded");
+        assert!(committed.repeated, "commit {i}");
+        assert_eq!(committed.new_version, ok(i).new_version);
+    }
+    assert!(
+        matches!(&again[4], Err(CoordinatorError::CheckpointConflict { .. })),
+        "{:?}",
+        again[4]
+    );
+    assert_eq!(
+        checkpoint_rows(&cluster, &owned).await,
+        after,
+        "a repeated group changes nothing"
+    );
+}
+
+/// Each shard's (cursor, version, fence), in the order of `owned`.
+async fn checkpoint_rows(cluster: &Cluster, owned: &[pb::ShardAssignment]) -> Vec<(serde_json::Value, i64, i64)> {
+    let mut rows = Vec::new();
+    for assignment in owned {
+        rows.push(checkpoint_row(cluster, assignment.shard_id).await);
+    }
+    rows
+}

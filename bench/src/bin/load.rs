@@ -414,10 +414,9 @@ fn process_usage(pid: u32) -> (f64, f64, f64) {
     (cpu, kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
 }
 
-/// etcd's own metrics: (gRPC requests handled, keys, CPU seconds).
-async fn etcd_metrics(endpoint: &str) -> (f64, f64, f64) {
+/// The text of an HTTP `/metrics` endpoint at `host:port` (empty when it does not answer).
+async fn scrape(host: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let host = endpoint.trim_start_matches("http://");
     let mut text = String::new();
     if let Ok(mut stream) = tokio::net::TcpStream::connect(host).await {
         let request = format!("GET /metrics HTTP/1.0\r\nHost: {host}\r\n\r\n");
@@ -425,16 +424,25 @@ async fn etcd_metrics(endpoint: &str) -> (f64, f64, f64) {
             let _ = stream.read_to_string(&mut text).await;
         }
     }
-    let sum = |name: &str| -> f64 {
-        text.lines()
-            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
+    text
+}
+
+/// The sum of every sample of metric `name` (all label sets) in scraped `text`.
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split([' ', '{']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// etcd's own metrics: (gRPC requests handled, keys, CPU seconds).
+async fn etcd_metrics(endpoint: &str) -> (f64, f64, f64) {
+    let text = scrape(endpoint.trim_start_matches("http://")).await;
     (
-        sum("grpc_server_handled_total"),
-        sum("etcd_debugging_mvcc_keys_total"),
-        sum("process_cpu_seconds_total"),
+        metric_sum(&text, "grpc_server_handled_total"),
+        metric_sum(&text, "etcd_debugging_mvcc_keys_total"),
+        metric_sum(&text, "process_cpu_seconds_total"),
     )
 }
 
@@ -471,10 +479,12 @@ async fn main() {
             )
         })
         .collect();
+    let coordinator_metrics = format!("127.0.0.1:{}", tidemark_tests::free_port());
     let settings = TaskSettings {
         shards: per_task,
         lease_ttl: Box::leak(args.lease_ttl.clone().into_boxed_str()),
         extra,
+        coordinator_extra: format!("metrics_listen = \"{coordinator_metrics}\""),
         ..TaskSettings::default()
     };
     let planning = Instant::now();
@@ -531,6 +541,13 @@ async fn main() {
     shared.latencies.0.lock().await.clear();
     let (cpu0, _, _) = process_usage(coordinator_pid);
     let (etcd_requests0, _, etcd_cpu0) = etcd_metrics(&cluster.etcd.endpoint).await;
+    let groups = |text: String| {
+        (
+            metric_sum(&text, "tidemark_commit_group_size_count"),
+            metric_sum(&text, "tidemark_commit_group_size_sum"),
+        )
+    };
+    let (groups0, grouped0) = groups(scrape(&coordinator_metrics).await);
     shared.measuring.store(true, Ordering::Relaxed);
     let measure = Instant::now();
     tokio::time::sleep(args.duration / 2).await;
@@ -549,6 +566,7 @@ async fn main() {
     let seconds = measure.elapsed().as_secs_f64();
     let (cpu1, rss, rss_peak) = process_usage(coordinator_pid);
     let (etcd_requests1, etcd_keys, etcd_cpu1) = etcd_metrics(&cluster.etcd.endpoint).await;
+    let (groups1, grouped1) = groups(scrape(&coordinator_metrics).await);
     shared.measuring.store(false, Ordering::Relaxed);
     let latencies = std::mem::take(&mut *shared.latencies.0.lock().await);
     // Reacquisition, waited for past the measured time if need be.
@@ -615,6 +633,12 @@ async fn main() {
     println!(
         "coordinator: {:.2} CPU cores over the measured time; RSS {rss:.0} MiB (peak {rss_peak:.0} MiB)",
         (cpu1 - cpu0) / seconds
+    );
+    println!(
+        "commit groups: {:.0} control transactions for {:.0} commits, {:.1} commits per transaction",
+        groups1 - groups0,
+        grouped1 - grouped0,
+        (grouped1 - grouped0) / (groups1 - groups0).max(1.0)
     );
     println!(
         "etcd: {:.0} requests/s, {:.0} keys, {:.2} CPU cores",
