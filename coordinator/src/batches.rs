@@ -9,9 +9,10 @@
 
 use std::collections::HashSet;
 
-use sqlx::PgConnection;
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row};
 
-use crate::checkpoints::ShardKey;
+use crate::checkpoints::{LOCK_COLUMNS_FROM, ShardKey};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchState {
@@ -67,29 +68,60 @@ pub struct Registration<'a> {
     pub fence: u64,
 }
 
-/// False when a batch with this id is registered already: the caller compares its content.
-pub async fn register(conn: &mut PgConnection, batch: Registration<'_>) -> Result<bool, sqlx::Error> {
-    let inserted = sqlx::query(
-        "INSERT INTO batches (batch_id, task, epoch, shard_id, lower, upper, row_count, byte_size, \
-         content_hash, manifest_path, fence, state) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12) \
-         ON CONFLICT (batch_id) DO NOTHING",
-    )
-    .bind(batch.batch_id)
-    .bind(&batch.shard.task)
-    .bind(batch.shard.epoch as i64)
-    .bind(batch.shard.shard_id as i32)
-    .bind(batch.lower)
-    .bind(batch.upper)
-    .bind(batch.row_count)
-    .bind(batch.byte_size)
-    .bind(batch.content_hash)
-    .bind(batch.manifest_path)
-    .bind(batch.fence as i64)
-    .bind(BatchState::Staged.as_str())
-    .execute(conn)
-    .await?
-    .rows_affected();
-    Ok(inserted == 1)
+/// What `register` found.
+pub struct Registered {
+    /// The shard's checkpoint row as `checkpoints::LOCK_COLUMNS_FROM` reads it (locked for
+    /// the statement), for the caller's checks; `None`: no such shard.
+    pub checkpoint: Option<PgRow>,
+    /// The batch was inserted now.
+    pub inserted: bool,
+    /// A batch registered before under this id: (content hash, state).
+    pub existing: Option<(String, String)>,
+}
+
+/// Registers a staged batch in one statement, if its shard's checkpoint allows it: the
+/// shard is not retired, its epoch runs, the task is not paused, `fence` is the current
+/// owner's and `lower` its committed cursor (the caller checks the returned row the same
+/// way, to say which refused it). A batch id registered before is left as it was and
+/// reported in `existing`.
+pub async fn register(conn: &mut PgConnection, batch: Registration<'_>) -> Result<Registered, sqlx::Error> {
+    let statement = format!(
+        "WITH c (i, cursor, version, fence, last_batch_id, paused_reason, current_epoch, retired, \
+           release_requested, running) AS ({lock}), \
+         inserted AS (\
+           INSERT INTO batches (batch_id, task, epoch, shard_id, lower, upper, row_count, byte_size, \
+           content_hash, manifest_path, fence, state) \
+           SELECT $4, $1[1], $2[1], $3[1], $5, $6, $7, $8, $9, $10, $11, 'STAGED' FROM c \
+           WHERE c.fence = $11 AND NOT c.retired AND c.running AND c.paused_reason IS NULL AND c.cursor = $5 \
+           ON CONFLICT (batch_id) DO NOTHING RETURNING 1) \
+         SELECT c.*, EXISTS (SELECT 1 FROM inserted), b.content_hash, b.state \
+         FROM (SELECT 1) one LEFT JOIN c ON true LEFT JOIN batches b ON b.batch_id = $4",
+        lock = LOCK_COLUMNS_FROM
+    );
+    let row = sqlx::query(sqlx::AssertSqlSafe(statement))
+        .bind(vec![batch.shard.task.as_str()])
+        .bind(vec![batch.shard.epoch as i64])
+        .bind(vec![batch.shard.shard_id as i32])
+        .bind(batch.batch_id)
+        .bind(batch.lower)
+        .bind(batch.upper)
+        .bind(batch.row_count)
+        .bind(batch.byte_size)
+        .bind(batch.content_hash)
+        .bind(batch.manifest_path)
+        .bind(batch.fence as i64)
+        .fetch_one(conn)
+        .await?;
+    let inserted: bool = row.get(10);
+    let existing = row
+        .get::<Option<String>, _>(11)
+        .map(|hash| (hash, row.get::<String, _>(12)));
+    let shard_found = row.get::<Option<i64>, _>(0).is_some();
+    Ok(Registered {
+        checkpoint: shard_found.then_some(row),
+        inserted,
+        existing,
+    })
 }
 
 /// One batch of a commit group: `index` names it in the answer.

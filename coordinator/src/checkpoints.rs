@@ -235,7 +235,7 @@ fn cursor_json(cursor: &Cursor) -> serde_json::Value {
 /// Locks the checkpoint rows of the shards given as three arrays (task, epoch, shard id), in
 /// key order (two groups never wait on each other in a cycle), with what the owner checks
 /// need. Column 0 is the shard's 1-based position in the arrays.
-const LOCK_COLUMNS_FROM: &str = "SELECT g.i, c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason, \
+pub(crate) const LOCK_COLUMNS_FROM: &str = "SELECT g.i, c.cursor, c.version, c.fence, c.last_batch_id, t.paused_reason, \
      t.current_epoch, c.retired, c.release_requested, \
      EXISTS (SELECT 1 FROM running_epochs r WHERE r.task = c.task AND r.epoch = c.epoch) \
      FROM unnest($1::text[], $2::bigint[], $3::int[]) WITH ORDINALITY AS g(task, epoch, shard_id, i) \
@@ -839,54 +839,54 @@ impl ControlDb {
     /// Records a staged batch. Its bounds are fixed from here on (invariant 2): registering the
     /// same id again with other content is refused.
     pub async fn register_batch(&self, batch: &RegisterBatch<'_>) -> Result<(), CoordinatorError> {
-        let mut tx = self.pool.begin().await?;
-        let cursor = Self::lock_checkpoint(tx.acquire().await?, batch.shard, batch.fence)
-            .await?
-            .cursor;
-        if &cursor != batch.lower {
-            return Err(CoordinatorError::CheckpointConflict {
-                task: batch.shard.task.clone(),
-                shard: batch.shard.shard_id,
-                message: format!(
-                    "batch lower bound {} is not the committed cursor {}",
-                    batch.lower.describe(),
-                    cursor.describe()
-                ),
-            });
-        }
-        let registered = batches::register(
-            &mut tx,
-            Registration {
-                batch_id: batch.batch_id,
-                shard: batch.shard,
-                lower: cursor_json(batch.lower),
-                upper: cursor_json(batch.upper),
-                row_count: batch.row_count as i64,
-                byte_size: batch.byte_size as i64,
-                content_hash: batch.content_hash,
-                manifest_path: batch.manifest_path,
-                fence: batch.fence,
-            },
-        )
-        .await?;
-        if !registered {
-            // Registered before (a retry whose answer was lost, or a replay): the same
-            // content is the same batch; other content under its id is refused.
-            let row = sqlx::query("SELECT content_hash, state FROM batches WHERE batch_id = $1")
-                .bind(batch.batch_id)
-                .fetch_one(&mut *tx)
-                .await?;
-            let hash: String = row.get(0);
-            let state: String = row.get(1);
-            if hash != batch.content_hash {
-                return Err(CoordinatorError::Batch {
-                    batch_id: batch.batch_id.to_string(),
-                    message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
+        let registration = || Registration {
+            batch_id: batch.batch_id,
+            shard: batch.shard,
+            lower: cursor_json(batch.lower),
+            upper: cursor_json(batch.upper),
+            row_count: batch.row_count as i64,
+            byte_size: batch.byte_size as i64,
+            content_hash: batch.content_hash,
+            manifest_path: batch.manifest_path,
+            fence: batch.fence,
+        };
+        let mut conn = self.pool.acquire().await?;
+        // One statement (issue 20); a second only when a registration of the same id raced
+        // this one and committed while it waited for the checkpoint's lock, so that it was
+        // not yet visible to the statement's read of `existing`.
+        for _ in 0..2 {
+            let registered = batches::register(&mut conn, registration()).await?;
+            let cursor = checked_lock(registered.checkpoint.as_ref(), batch.shard, batch.fence)?.cursor;
+            if &cursor != batch.lower {
+                return Err(CoordinatorError::CheckpointConflict {
+                    task: batch.shard.task.clone(),
+                    shard: batch.shard.shard_id,
+                    message: format!(
+                        "batch lower bound {} is not the committed cursor {}",
+                        batch.lower.describe(),
+                        cursor.describe()
+                    ),
                 });
             }
+            if registered.inserted {
+                return Ok(());
+            }
+            if let Some((hash, state)) = registered.existing {
+                // Registered before (a retry whose answer was lost, or a replay): the same
+                // content is the same batch; other content under its id is refused.
+                if hash != batch.content_hash {
+                    return Err(CoordinatorError::Batch {
+                        batch_id: batch.batch_id.to_string(),
+                        message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
+                    });
+                }
+                return Ok(());
+            }
         }
-        tx.commit().await?;
-        Ok(())
+        Err(CoordinatorError::Batch {
+            batch_id: batch.batch_id.to_string(),
+            message: "could not be registered: its checkpoint allows it, yet it was neither inserted nor found".into(),
+        })
     }
 
     /// The compare-and-swap that advances a shard. Returns the new checkpoint version.

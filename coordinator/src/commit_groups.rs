@@ -7,8 +7,9 @@
 //!
 //! Each commit is still checked and refused on its own; grouping changes only how many
 //! commits share a transaction. A group holds each shard once (a retry racing its original
-//! waits for the next round). When a group's transaction fails, its commits run again one
-//! by one, so that each gets its own answer and one bad commit cannot fail the others.
+//! waits for the next round). When a statement of a group's transaction fails, its commits
+//! run again one by one, so that each gets its own answer and one bad commit cannot fail
+//! the others; when the control database is out of reach, all get that answer at once.
 
 use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
@@ -109,15 +110,46 @@ async fn run(control: &ControlDb, group: Vec<(CommitBatch, Reply)>) {
                 let _ = reply.send(outcome);
             }
         }
-        Err(error) if commits.len() == 1 => {
-            let _ = replies.into_iter().next().expect("one reply").send(Err(error));
-        }
-        Err(error) => {
+        // A statement failed (a deadlock with another transaction, a row the database
+        // refused): one by one, each commit gets its own answer.
+        Err(CoordinatorError::ControlDb(sqlx::Error::Database(error))) if commits.len() > 1 => {
             tracing::warn!(commits = commits.len(), %error, "commit group failed; committing its commits one by one");
             for (commit, reply) in commits.iter().zip(replies) {
                 let _ = reply.send(control.commit_batch(commit).await);
             }
         }
+        // The control database is out of reach: every commit of the group gets the same
+        // answer at once (trying each again would hold this committer for as many timeouts).
+        Err(error) => {
+            let mut replies = replies.into_iter();
+            let last = replies.next_back();
+            for reply in replies {
+                let _ = reply.send(Err(same_error(&error)));
+            }
+            if let Some(last) = last {
+                let _ = last.send(Err(error));
+            }
+        }
+    }
+}
+
+/// A copy of `error` with the same gRPC status: sqlx's errors cannot be cloned.
+fn same_error(error: &CoordinatorError) -> CoordinatorError {
+    match error {
+        CoordinatorError::ControlDb(sqlx::Error::PoolTimedOut) => {
+            CoordinatorError::ControlDb(sqlx::Error::PoolTimedOut)
+        }
+        CoordinatorError::ControlDb(sqlx::Error::PoolClosed) => CoordinatorError::ControlDb(sqlx::Error::PoolClosed),
+        CoordinatorError::ControlDb(sqlx::Error::Io(io)) => {
+            CoordinatorError::ControlDb(sqlx::Error::Io(std::io::Error::new(io.kind(), io.to_string())))
+        }
+        // Displayed as its message alone.
+        CoordinatorError::ControlDb(other) => {
+            CoordinatorError::ControlDb(sqlx::Error::InvalidArgument(other.to_string()))
+        }
+        CoordinatorError::InvalidRequest(message) => CoordinatorError::InvalidRequest(message.clone()),
+        // `commit_batches` fails a group with the two kinds above only.
+        other => CoordinatorError::InvalidRequest(other.to_string()),
     }
 }
 
@@ -167,6 +199,20 @@ mod tests {
             ids(&rounds(taken)),
             vec![vec!["a1", "b1", "c1"], vec!["a2", "b2"], vec!["a3"]]
         );
+    }
+
+    #[test]
+    fn a_group_failure_reaches_every_commit_with_the_same_status() {
+        for error in [
+            CoordinatorError::ControlDb(sqlx::Error::PoolTimedOut),
+            CoordinatorError::ControlDb(sqlx::Error::Io(std::io::Error::other("reset"))),
+            CoordinatorError::ControlDb(sqlx::Error::RowNotFound),
+            CoordinatorError::InvalidRequest("3 of 4 locked checkpoints moved".into()),
+        ] {
+            let copy = same_error(&error);
+            assert_eq!(copy.to_string(), error.to_string());
+            assert_eq!(tonic::Status::from(copy).code(), tonic::Status::from(error).code());
+        }
     }
 
     #[test]

@@ -219,22 +219,6 @@ impl ControlDb {
         }
         Ok(())
     }
-
-    /// Whether the shard's owner is asked to release it: an operation waits for it, or its
-    /// epoch no longer runs (replaced by a switch, frozen or abandoned; an idle shard, with
-    /// nothing to commit, would never hear of it).
-    pub async fn release_requested(&self, shard: &ShardKey) -> Result<bool, CoordinatorError> {
-        Ok(sqlx::query_scalar(
-            "SELECT c.release_requested OR NOT EXISTS (SELECT 1 FROM running_epochs r WHERE r.task = c.task \
-             AND r.epoch = c.epoch) FROM checkpoints c WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3",
-        )
-        .bind(&shard.task)
-        .bind(shard.epoch as i64)
-        .bind(shard.shard_id as i32)
-        .fetch_optional(self.pool())
-        .await?
-        .unwrap_or(false))
-    }
 }
 
 /// `shards split`: validates the split point (strictly inside the range, in the source's own

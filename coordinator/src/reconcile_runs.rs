@@ -103,22 +103,37 @@ impl ControlDb {
         Ok(id as u64)
     }
 
-    /// The oldest pending part of a run for this shard.
-    pub async fn next_reconcile(&self, shard: &ShardKey) -> Result<Option<pb::ReconcileOrder>, CoordinatorError> {
+    /// What the shard's owner should do beside reading, in one query (every idle shard asks
+    /// once per poll interval): give the shard up (a move, split, merge or drain waits for
+    /// it, or its epoch no longer runs: an idle shard with nothing to commit hears of it only
+    /// here), else the oldest part of a reconciliation run still pending for it, if any.
+    pub async fn shard_work(&self, shard: &ShardKey) -> Result<(bool, Option<pb::ReconcileOrder>), CoordinatorError> {
         let row = sqlx::query(
-            "SELECT r.id, r.since_micros, r.compare = 'versions' FROM reconcile_runs r JOIN reconcile_shards s ON s.run_id = r.id \
-             WHERE r.task = $1 AND r.epoch = $2 AND s.shard_id = $3 AND s.state = 'PENDING' ORDER BY r.id LIMIT 1",
+            "SELECT c.release_requested OR NOT EXISTS (SELECT 1 FROM running_epochs e WHERE e.task = c.task \
+             AND e.epoch = c.epoch), o.id, o.since_micros, o.versions_only FROM checkpoints c \
+             LEFT JOIN LATERAL (SELECT r.id, r.since_micros, r.compare = 'versions' AS versions_only \
+               FROM reconcile_runs r JOIN reconcile_shards s ON s.run_id = r.id \
+               WHERE r.task = c.task AND r.epoch = c.epoch AND s.shard_id = c.shard_id AND s.state = 'PENDING' \
+               ORDER BY r.id LIMIT 1) o ON true \
+             WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3",
         )
         .bind(&shard.task)
         .bind(shard.epoch as i64)
         .bind(shard.shard_id as i32)
         .fetch_optional(self.pool())
         .await?;
-        Ok(row.map(|row| pb::ReconcileOrder {
-            run_id: row.get::<i64, _>(0) as u64,
-            since_micros: row.get(1),
-            versions_only: row.get(2),
-        }))
+        let Some(row) = row else {
+            return Ok((false, None));
+        };
+        if row.get::<bool, _>(0) {
+            return Ok((true, None));
+        }
+        let order = row.get::<Option<i64>, _>(1).map(|id| pb::ReconcileOrder {
+            run_id: id as u64,
+            since_micros: row.get(2),
+            versions_only: row.get(3),
+        });
+        Ok((false, order))
     }
 
     /// Records a shard's result under its owner's fence; the run is finished with its last

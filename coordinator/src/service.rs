@@ -474,12 +474,7 @@ impl WorkerService for CoordinatorService {
         self.inner.leadership.require().await?;
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
-        let release = self.inner.control.release_requested(&shard).await?;
-        let reconcile = if release {
-            None
-        } else {
-            self.inner.control.next_reconcile(&shard).await?
-        };
+        let (release, reconcile) = self.inner.control.shard_work(&shard).await?;
         Ok(Response::new(pb::ShardWorkResponse { reconcile, release }))
     }
 

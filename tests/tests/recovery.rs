@@ -908,3 +908,85 @@ async fn checkpoint_rows(cluster: &Cluster, owned: &[pb::ShardAssignment]) -> Ve
     }
     rows
 }
+
+/// A registration is one statement now (issue 20); its answers are those of the checks:
+/// the same id and content again is the same batch, other content under the id is refused,
+/// a lower bound that is not the committed cursor is a conflict, and nothing of a refused
+/// registration is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registering_again_is_the_same_batch_and_other_content_is_refused() {
+    let (cluster, mut client) = one_shard_task("register", 100).await;
+    let owner = register_and_acquire(&mut client, "owner").await.expect("a free shard");
+    let upper = Cursor::new(
+        owner.epoch,
+        Position::Snapshot {
+            after_key: Some(vec![KeyValue {
+                sql_type: "bigint".into(),
+                value: "50".into(),
+            }]),
+        },
+    );
+    let register = |batch_id: &str, hash: &str, lower: &str| pb::RegisterBatchRequest {
+        worker_id: "owner".into(),
+        task: "items".into(),
+        epoch: owner.epoch,
+        shard_id: owner.shard_id,
+        fence_token: owner.fence_token,
+        batch_id: batch_id.into(),
+        lower: lower.into(),
+        upper: upper.encode(),
+        row_count: 50,
+        byte_size: 500,
+        content_hash: hash.into(),
+        manifest_path: format!("{batch_id}.manifest"),
+    };
+    let batches = || async {
+        sqlx::query_as::<_, (String, String, String)>("SELECT batch_id, content_hash, state FROM batches ORDER BY 1")
+            .fetch_all(&cluster.control.pool)
+            .await
+            .unwrap()
+    };
+    client
+        .register_batch(register("b1", "sha256:aa", &owner.cursor))
+        .await
+        .unwrap();
+    client
+        .register_batch(register("b1", "sha256:aa", &owner.cursor))
+        .await
+        .expect("the same batch again (a retry whose answer was lost)");
+    let other = client
+        .register_batch(register("b1", "sha256:bb", &owner.cursor))
+        .await
+        .unwrap_err();
+    assert_eq!(other.code(), tonic::Code::Aborted, "{other:?}");
+    assert!(
+        other
+            .message()
+            .contains("already registered (STAGED) with content sha256:aa"),
+        "{}",
+        other.message()
+    );
+    let conflict = client
+        .register_batch(register("b2", "sha256:cc", &upper.encode()))
+        .await
+        .unwrap_err();
+    assert_eq!(conflict.code(), tonic::Code::Aborted, "{conflict:?}");
+    assert!(
+        conflict.message().contains("is not the committed cursor"),
+        "{}",
+        conflict.message()
+    );
+    let mut stale = register("b3", "sha256:dd", &owner.cursor);
+    stale.fence_token += 1;
+    let fenced = client.register_batch(stale).await.unwrap_err();
+    assert_eq!(fenced.code(), tonic::Code::FailedPrecondition, "{fenced:?}");
+    let mut unknown = register("b4", "sha256:ee", &owner.cursor);
+    unknown.shard_id = 99;
+    let missing = client.register_batch(unknown).await.unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::InvalidArgument, "{missing:?}");
+    assert_eq!(
+        batches().await,
+        vec![("b1".to_string(), "sha256:aa".to_string(), "STAGED".to_string())],
+        "only the accepted registration is stored, once, with its first content"
+    );
+}
