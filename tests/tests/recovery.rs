@@ -185,6 +185,19 @@ async fn register_and_acquire(
         .assignment
 }
 
+/// A snapshot cursor of `epoch` just after bigint key `key`.
+fn after_key(epoch: u64, key: i64) -> Cursor {
+    Cursor::new(
+        epoch,
+        Position::Snapshot {
+            after_key: Some(vec![KeyValue {
+                sql_type: "bigint".into(),
+                value: key.to_string(),
+            }]),
+        },
+    )
+}
+
 async fn checkpoint_row(cluster: &Cluster, shard_id: u32) -> (serde_json::Value, i64, i64) {
     let row = sqlx::query("SELECT cursor, version, fence FROM checkpoints WHERE shard_id = $1")
         .bind(shard_id as i32)
@@ -241,15 +254,7 @@ async fn commit_with_a_stale_fence_is_refused() {
     );
     let before = checkpoint_row(&cluster, owner.shard_id).await;
 
-    let upper = Cursor::new(
-        zombie.epoch,
-        Position::Snapshot {
-            after_key: Some(vec![KeyValue {
-                sql_type: "bigint".into(),
-                value: "500".into(),
-            }]),
-        },
-    );
+    let upper = after_key(zombie.epoch, 500);
     let commit = |fence_token: u64, expected_version: u64| pb::CommitBatchRequest {
         worker_id: "zombie".into(),
         task: "items".into(),
@@ -709,17 +714,7 @@ async fn a_commit_group_answers_each_commit_on_its_own() {
     let [a, b, c, d, e, f] = &owned[..] else {
         panic!("six shards")
     };
-    let upper_of = |assignment: &pb::ShardAssignment, key: i64| {
-        Cursor::new(
-            assignment.epoch,
-            Position::Snapshot {
-                after_key: Some(vec![KeyValue {
-                    sql_type: "bigint".into(),
-                    value: key.to_string(),
-                }]),
-            },
-        )
-    };
+    let upper_of = |assignment: &pb::ShardAssignment, key: i64| after_key(assignment.epoch, key);
     let register = |assignment: &pb::ShardAssignment, batch_id: &str, upper: &Cursor| pb::RegisterBatchRequest {
         worker_id: format!("w{}", assignment.shard_id),
         task: "items".into(),
@@ -917,15 +912,7 @@ async fn checkpoint_rows(cluster: &Cluster, owned: &[pb::ShardAssignment]) -> Ve
 async fn registering_again_is_the_same_batch_and_other_content_is_refused() {
     let (cluster, mut client) = one_shard_task("register", 100).await;
     let owner = register_and_acquire(&mut client, "owner").await.expect("a free shard");
-    let upper = Cursor::new(
-        owner.epoch,
-        Position::Snapshot {
-            after_key: Some(vec![KeyValue {
-                sql_type: "bigint".into(),
-                value: "50".into(),
-            }]),
-        },
-    );
+    let upper = after_key(owner.epoch, 50);
     let register = |batch_id: &str, hash: &str, lower: &str| pb::RegisterBatchRequest {
         worker_id: "owner".into(),
         task: "items".into(),
