@@ -1020,8 +1020,10 @@ async fn the_bound_reads_innodb_trx_in_the_servers_system_zone() {
     drop(late);
     let end = mariadb_now(&source).await;
     cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
-    assert_converged(&source, &cluster.target, &[], "after a late commit on a +09:00 server").await;
+    // Which of the two failed first tells a lost late row from a slow one (seen once under
+    // the full suite: the late row missing, with this unknown).
     assert!(!passed, "the watermark passed a transaction that was still open");
+    assert_converged(&source, &cluster.target, &[], "after a late commit on a +09:00 server").await;
 
     // Where daylight saving time ends, 02:30 in Berlin names 00:30 and 01:30 UTC: the bound
     // takes the earlier.
