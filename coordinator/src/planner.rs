@@ -531,12 +531,15 @@ pub(crate) async fn start_time_micros(
         if let Some(reason) = seen.blind_spot(table) {
             return Err(setup(reason));
         }
-        let Some(prepared) = prepared else {
-            return Ok(seen
-                .oldest_start_micros
-                .map_or(now, |o| (o - cursor_unit_micros).min(now)));
+        let hold = match (seen.unreadable, prepared) {
+            (Some(unreadable), _) => unreadable,
+            (None, Some(prepared)) => visibility::prepared_hold(&prepared),
+            (None, None) => {
+                return Ok(seen
+                    .oldest_start_micros
+                    .map_or(now, |o| (o - cursor_unit_micros).min(now)));
+            }
         };
-        let hold = visibility::prepared_hold(&prepared);
         if std::time::Instant::now() >= deadline {
             return Err(setup(format!("cannot plan the snapshot's start bound: {hold}")));
         }
@@ -649,9 +652,10 @@ pub(crate) async fn settled_max_key(
         if let Some(reason) = seen.blind_spot(table) {
             return Err(setup(reason));
         }
-        let hold = match prepared {
-            Some(prepared) => visibility::prepared_hold(&prepared),
-            None => match tail.safe_bound(seen.oldest_start_micros) {
+        let hold = match (seen.unreadable, prepared) {
+            (Some(unreadable), _) => unreadable,
+            (None, Some(prepared)) => visibility::prepared_hold(&prepared),
+            (None, None) => match tail.safe_bound(seen.oldest_start_micros) {
                 Some(bound) => return Ok(bound),
                 None => format!(
                     "a transaction open since {} may still add keys below the largest one",

@@ -456,6 +456,7 @@ impl ShardRun {
         let (visibility, prepared) = self.resources.source.visibility(&self.sql.source).await?;
         let hold = visibility
             .blind_spot(&self.sql.source)
+            .or_else(|| visibility.unreadable.clone())
             .or_else(|| prepared.as_ref().map(visibility::prepared_hold));
         if hold != self.bound_hold {
             match &hold {

@@ -31,6 +31,9 @@ pub struct Visibility {
     pub subscriptions: Vec<String>,
     /// Start of the oldest open transaction of another session (microseconds).
     pub oldest_start_micros: Option<i64>,
+    /// Why the open transactions cannot be read right now (MySQL/MariaDB: the server
+    /// truncated its transaction list, or lists a state the bound cannot date); the bound holds the reads until they can.
+    pub unreadable: Option<String>,
 }
 
 /// The engine a [`Visibility`] was read from.
@@ -67,7 +70,7 @@ impl Visibility {
         let role = &self.role;
         let problem = if !self.sees_all_sessions && self.engine == Engine::MySql {
             format!(
-                "the source role {role} cannot read information_schema.innodb_trx, so rows other sessions commit \
+                "the source role {role} cannot read InnoDB's transaction list (SHOW ENGINE INNODB STATUS), so rows other sessions commit \
                  late could fall below the watermark unseen: GRANT PROCESS ON *.* TO {role}"
             )
         } else if self.in_recovery && self.engine == Engine::MySql {
@@ -124,6 +127,7 @@ pub async fn read(
         in_recovery: row.get(2),
         subscriptions: row.get(3),
         oldest_start_micros: row.get(4),
+        unreadable: None,
     };
     let prepared = sqlx::query(PREPARED_TRANSACTIONS)
         .fetch_optional(source)
@@ -163,6 +167,7 @@ mod tests {
             in_recovery: false,
             subscriptions: Vec::new(),
             oldest_start_micros: None,
+            unreadable: None,
         }
     }
 
