@@ -243,9 +243,14 @@ impl MariaServer {
     pub async fn start_in_zone(tag: &str, zone: Option<&str>) -> MariaServer {
         let dir = std::env::temp_dir().join(unique_name(tag));
         std::fs::create_dir_all(&dir).unwrap();
+        // Its own tmpdir: at start-up mariadbd deletes every `#sql*` file in its tmpdir,
+        // which in the shared /tmp are the machine server's live temporary tables (seen:
+        // "Error on delete of '/tmp/#sql-temptable-….MAI'" in another test's query).
+        std::fs::create_dir_all(dir.join("tmp")).unwrap();
         let installed = Command::new("mariadb-install-db")
             .arg("--no-defaults")
             .arg(format!("--datadir={}", dir.join("data").display()))
+            .arg(format!("--tmpdir={}", dir.join("tmp").display()))
             .args([
                 "--auth-root-authentication-method=normal",
                 "--skip-test-db",
@@ -278,6 +283,7 @@ impl MariaServer {
             .arg(format!("--datadir={}", self.dir.join("data").display()))
             .arg(format!("--port={}", self.port))
             .arg(format!("--socket={}", self.dir.join("sock").display()))
+            .arg(format!("--tmpdir={}", self.dir.join("tmp").display()))
             .arg(format!("--pid-file={}", self.dir.join("pid").display()))
             .arg(format!("--log-error={}", self.dir.join("error.log").display()))
             .args([
