@@ -16,9 +16,11 @@ use crate::checkpoints::{ControlDb, ShardKey};
 use crate::error::CoordinatorError;
 use crate::leases::Leases;
 
-/// An empty queue is read again after this long: how soon a freed shard is seen.
+/// An empty queue is read again after this long (or longer, see `pacing`): how soon a freed
+/// shard is seen.
 pub(crate) const REFRESH: Duration = Duration::from_millis(500);
-/// A non-empty queue is read again after this long: new shards, resumed tasks, reservations.
+/// A non-empty queue is read again after this long (or longer, see `pacing`): new shards,
+/// resumed tasks, reservations.
 pub(crate) const MAX_AGE: Duration = Duration::from_secs(5);
 
 #[derive(Default)]
@@ -29,6 +31,8 @@ pub(crate) struct ClaimQueue {
 #[derive(Default)]
 struct State {
     read_at: Option<Instant>,
+    /// How long the last read took: the read ages are paced by it (see `pacing`).
+    took: Duration,
     /// Free at the last read, in the candidates' order, not reserved for a worker.
     free: VecDeque<ShardKey>,
     /// Free at the last read and reserved for a worker (a move).
@@ -36,6 +40,14 @@ struct State {
 }
 
 impl State {
+    /// How old an empty queue may be and how old any queue may be before it is read again.
+    fn ages(&self) -> (Duration, Duration) {
+        (
+            crate::pacing::wait_after(REFRESH, self.took),
+            crate::pacing::wait_after(MAX_AGE, self.took),
+        )
+    }
+
     /// Nothing left from the last read that `worker` may take.
     fn empty_for(&self, worker: &str) -> bool {
         self.free.is_empty() && self.reserved.get(worker).is_none_or(VecDeque::is_empty)
@@ -54,7 +66,7 @@ impl ClaimQueue {
     /// database (an idle pool asks every second).
     pub(crate) async fn may_have(&self, worker: &str) -> bool {
         let state = self.state.lock().await;
-        let fresh = state.read_at.is_some_and(|at| at.elapsed() < REFRESH);
+        let fresh = state.read_at.is_some_and(|at| at.elapsed() < state.ages().0);
         !(fresh && state.empty_for(worker))
     }
 
@@ -69,8 +81,10 @@ impl ClaimQueue {
     ) -> Result<Option<ShardKey>, CoordinatorError> {
         let mut state = self.state.lock().await;
         let age = state.read_at.map(|at| at.elapsed());
-        let stale = age.is_none_or(|age| age >= MAX_AGE || (state.empty_for(worker) && age >= REFRESH));
+        let (refresh, max_age) = state.ages();
+        let stale = age.is_none_or(|age| age >= max_age || (state.empty_for(worker) && age >= refresh));
         if stale {
+            let started = Instant::now();
             let candidates = control.shard_candidates(tasks).await?;
             let owners = leases.owners().await?;
             let mut free = VecDeque::new();
@@ -86,6 +100,7 @@ impl ClaimQueue {
             }
             *state = State {
                 read_at: Some(Instant::now()),
+                took: started.elapsed(),
                 free,
                 reserved,
             };

@@ -18,6 +18,7 @@ pub mod leases;
 pub mod metrics;
 pub mod mysql;
 pub mod operations;
+pub(crate) mod pacing;
 pub mod planner;
 pub mod postgres;
 pub mod reconcile_runs;

@@ -149,13 +149,17 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
 /// Refreshes the gauges from the control database.
 pub async fn refresh_gauges(control: ControlDb, leadership: Leadership) {
     let mut first = true;
+    let mut took = Duration::ZERO;
     loop {
         if !first {
-            tokio::time::sleep(Duration::from_secs(2)).await;
+            tokio::time::sleep(crate::pacing::wait_after(Duration::from_secs(2), took)).await;
         }
         first = false;
         METRICS.leader.set(i64::from(leadership.is_leader()));
-        let Ok(tasks) = control.status().await else { continue };
+        let started = std::time::Instant::now();
+        let tasks = control.status().await;
+        took = started.elapsed();
+        let Ok(tasks) = tasks else { continue };
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as i64);

@@ -356,8 +356,10 @@ pub async fn run_operations(
     balance: bool,
     capacity: Capacity,
 ) {
+    let mut took = Duration::ZERO;
     loop {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(crate::pacing::wait_after(Duration::from_millis(500), took)).await;
+        let started = std::time::Instant::now();
         // Every replica notes which shards wait (for its `status`); the leader acts.
         let observed = async {
             let running = control.running_shards().await?;
@@ -367,11 +369,12 @@ pub async fn run_operations(
         }
         .await;
         if !leadership.is_leader() {
+            took = started.elapsed();
             continue;
         }
         let result = async {
             let (running, owners) = observed?;
-            operate(&control, &leases, &tasks, balance).await?;
+            operate(&control, &leases, &tasks, balance, &owners).await?;
             crate::capacity::rotate(
                 &control,
                 &capacity,
@@ -385,17 +388,19 @@ pub async fn run_operations(
         if let Err(error) = result {
             tracing::warn!(%error, "shard operations: retrying");
         }
+        took = started.elapsed();
     }
 }
 
+/// `owners`: the lease store's, read in the same round.
 async fn operate(
     control: &ControlDb,
     leases: &Leases,
     tasks: &HashMap<String, PreparedTask>,
     balance: bool,
+    owners: &HashMap<ShardKey, (String, u64)>,
 ) -> Result<(), CoordinatorError> {
     let shards = control.list_shards(None).await?;
-    let owners = leases.owners().await?;
     let workers = control.list_workers().await?;
     let ttl = leases.ttl().as_secs_f64();
     let draining: Vec<&str> = workers.iter().filter(|w| w.draining).map(|w| w.id.as_str()).collect();
@@ -455,7 +460,7 @@ async fn operate(
         }
     }
     if balance && !pending_move {
-        rebalance(control, &owners, &workers, ttl, &shards).await?;
+        rebalance(control, owners, &workers, ttl, &shards).await?;
     }
     Ok(())
 }

@@ -79,6 +79,8 @@ struct Counters {
     commits: AtomicU64,
     refused: AtomicU64,
     errors: AtomicU64,
+    /// RegisterWorker calls that failed and were tried again.
+    register_retries: AtomicU64,
     zombie_accepted: AtomicU64,
     zombie_refused: AtomicU64,
 }
@@ -116,17 +118,27 @@ async fn worker(
     let mut client = WorkerServiceClient::new(channel);
     let worker_id = format!("sim-{number}");
     let started = Instant::now();
-    let registration = match client
-        .register_worker(pb::RegisterWorkerRequest {
-            worker_id: worker_id.clone(),
-        })
-        .await
-    {
-        Ok(r) => r.into_inner(),
-        Err(status) => {
-            eprintln!("{worker_id}: register failed: {status}");
-            shared.counters.errors.fetch_add(1, Ordering::Relaxed);
-            return;
+    // Retried as a real worker does: a thousand connecting at once get some resets.
+    let mut tries = 0;
+    let registration = loop {
+        tries += 1;
+        match client
+            .register_worker(pb::RegisterWorkerRequest {
+                worker_id: worker_id.clone(),
+            })
+            .await
+        {
+            Ok(r) => break r.into_inner(),
+            Err(status) if tries < 10 => {
+                shared.counters.register_retries.fetch_add(1, Ordering::Relaxed);
+                let _ = status;
+                tokio::time::sleep(Duration::from_millis(200 * tries)).await;
+            }
+            Err(status) => {
+                eprintln!("{worker_id}: register failed {tries} times: {status}");
+                shared.counters.errors.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
         }
     };
     shared.latencies.record("register_worker", started).await;
@@ -625,10 +637,11 @@ async fn main() {
         );
     }
     println!(
-        "commits: {commits} in {seconds:.0} s = {:.0}/s; refused {}; RPC errors {}",
+        "commits: {commits} in {seconds:.0} s = {:.0}/s; refused {}; RPC errors {}; RegisterWorker retried {} times",
         commits as f64 / seconds,
         shared.counters.refused.load(Ordering::Relaxed),
-        shared.counters.errors.load(Ordering::Relaxed)
+        shared.counters.errors.load(Ordering::Relaxed),
+        shared.counters.register_retries.load(Ordering::Relaxed)
     );
     println!(
         "coordinator: {:.2} CPU cores over the measured time; RSS {rss:.0} MiB (peak {rss_peak:.0} MiB)",
