@@ -968,15 +968,25 @@ async fn a_mariadb_version_trigger_orders_writes_and_deletes_per_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bound_reads_innodb_trx_in_the_servers_system_zone() {
     let server = MariaServer::start_in_zone("my_tokyo", Some("Asia/Tokyo")).await;
-    let source = MariaDb::create_on(&server.url, "my_tokyo").await;
+    let pool = sqlx::MySqlPool::connect(&server.url).await.unwrap();
     let zone: String = sqlx::query_scalar("SELECT CAST(@@system_time_zone AS CHAR)")
-        .fetch_one(&source.pool)
+        .fetch_one(&pool)
         .await
         .unwrap();
+    pool.close().await;
     assert_eq!(zone, "JST", "the private server runs in Asia/Tokyo");
+    a_late_commit_is_held(&server, "my_tokyo", false).await;
+}
+
+/// On `server`, a transaction held open 6 s after the snapshot (past safety_delay + overlap)
+/// while another change is synced past it: the watermark must not pass it, and its row
+/// arrives per key once it commits. With `poll_innodb_trx`, a session reads `innodb_trx`
+/// every 20 ms meanwhile.
+async fn a_late_commit_is_held(server: &MariaServer, tag: &str, poll_innodb_trx: bool) {
+    let source = MariaDb::create_on(&server.url, tag).await;
     let user = MariaUser::create(
         &source,
-        "my_tokyo",
+        tag,
         &[
             &format!("GRANT SELECT ON `{}`.* ", source.name),
             "GRANT PROCESS ON *.* ",
@@ -985,73 +995,13 @@ async fn the_bound_reads_innodb_trx_in_the_servers_system_zone() {
     .await;
     source.exec(CREATE).await;
     source.exec(&insert(1, 2000)).await;
-    let mut cluster = Cluster::new("my_tokyo").await;
+    let mut cluster = Cluster::new(tag).await;
     cluster.start(&settings(&source, &user)).await;
     cluster.spawn_worker("a", 4, &[]);
     cluster
         .wait_for("snapshot complete", Duration::from_secs(120), |t| t.snapshot_complete)
         .await;
-    let mut late = source.pool.acquire().await.unwrap();
-    sqlx::raw_sql("BEGIN").execute(&mut *late).await.unwrap();
-    sqlx::raw_sql("UPDATE items SET note = 'committed late' WHERE id = 5")
-        .execute(&mut *late)
-        .await
-        .unwrap();
-    source.exec("UPDATE items SET note = 'other' WHERE id = 6").await;
-    let writes_end = mariadb_now(&source).await;
-    // Kept open well past safety_delay (1 s) + overlap (1 s), or until the watermark passes.
-    let passed = tokio::time::timeout(
-        Duration::from_secs(6),
-        cluster.wait_for_watermark(writes_end + 2_000_000, Duration::from_secs(6)),
-    )
-    .await
-    .is_ok();
-    sqlx::raw_sql("COMMIT").execute(&mut *late).await.unwrap();
-    drop(late);
-    let end = mariadb_now(&source).await;
-    cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
-    // Which of the two failed first tells a lost late row from a slow one (seen once under
-    // the full suite: the late row missing, with this unknown).
-    assert!(!passed, "the watermark passed a transaction that was still open");
-    assert_converged(&source, &cluster.target, &[], "after a late commit on a +09:00 server").await;
-}
-
-/// Whether a process is stopped (SIGSTOP): state `T` in /proc/PID/stat.
-fn is_stopped(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
-        .unwrap_or(false)
-}
-
-/// InnoDB serves `innodb_trx` from a cache it refreshes only when nobody has read it for
-/// 100 ms. A session polling it every 20 ms (a monitoring tool, say) keeps that copy from
-/// before a transaction opened: a bound that read it passed the open transaction (this test
-/// failed so) and lost its row. The bound reads the live list instead: it holds while the
-/// transaction is open, and the row arrives once it commits. On a private server: the cache
-/// is per server.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_poller_of_innodb_trx_does_not_blind_the_bound() {
-    let server = MariaServer::start_in_zone("my_poller", None).await;
-    let source = MariaDb::create_on(&server.url, "my_poller").await;
-    let user = MariaUser::create(
-        &source,
-        "my_poller",
-        &[
-            &format!("GRANT SELECT ON `{}`.* ", source.name),
-            "GRANT PROCESS ON *.* ",
-        ],
-    )
-    .await;
-    source.exec(CREATE).await;
-    source.exec(&insert(1, 2000)).await;
-    let mut cluster = Cluster::new("my_poller").await;
-    cluster.start(&settings(&source, &user)).await;
-    cluster.spawn_worker("a", 4, &[]);
-    cluster
-        .wait_for("snapshot complete", Duration::from_secs(120), |t| t.snapshot_complete)
-        .await;
-    let polling = Arc::new(AtomicBool::new(true));
+    let polling = Arc::new(AtomicBool::new(poll_innodb_trx));
     let poller = tokio::spawn({
         let pool = source.pool.clone();
         let polling = polling.clone();
@@ -1065,7 +1015,9 @@ async fn a_poller_of_innodb_trx_does_not_blind_the_bound() {
             }
         }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    if poll_innodb_trx {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     let mut late = source.pool.acquire().await.unwrap();
     sqlx::raw_sql("BEGIN").execute(&mut *late).await.unwrap();
     sqlx::raw_sql("UPDATE items SET note = 'committed late' WHERE id = 5")
@@ -1086,11 +1038,32 @@ async fn a_poller_of_innodb_trx_does_not_blind_the_bound() {
     drop(late);
     let end = mariadb_now(&source).await;
     cluster.wait_for_watermark(end, Duration::from_secs(60)).await;
+    // Which of the two failed first tells a lost late row from a slow one.
     assert!(
         !passed,
-        "the watermark passed a transaction that a stale innodb_trx did not list"
+        "the watermark passed a transaction that was still open ({tag})"
     );
-    assert_converged(&source, &cluster.target, &[], "after a late commit under a poller").await;
+    assert_converged(&source, &cluster.target, &[], &format!("after a late commit ({tag})")).await;
+}
+
+/// Whether a process is stopped (SIGSTOP): state `T` in /proc/PID/stat.
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+        .unwrap_or(false)
+}
+
+/// InnoDB serves `innodb_trx` from a cache it refreshes only when nobody has read it for
+/// 100 ms. A session polling it every 20 ms (a monitoring tool, say) keeps that copy from
+/// before a transaction opened: a bound that read it passed the open transaction (this test
+/// failed so) and lost its row. The bound reads the live list instead: it holds while the
+/// transaction is open, and the row arrives once it commits. On a private server: the cache
+/// is per server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poller_of_innodb_trx_does_not_blind_the_bound() {
+    let server = MariaServer::start_in_zone("my_poller", None).await;
+    a_late_commit_is_held(&server, "my_poller", true).await;
 }
 
 /// The batch protocol's invariants: every ledger batch registered with the same content,
