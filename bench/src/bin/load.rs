@@ -129,9 +129,8 @@ async fn worker(
             .await
         {
             Ok(r) => break r.into_inner(),
-            Err(status) if tries < 10 => {
+            Err(_) if tries < 10 => {
                 shared.counters.register_retries.fetch_add(1, Ordering::Relaxed);
-                let _ = status;
                 tokio::time::sleep(Duration::from_millis(200 * tries)).await;
             }
             Err(status) => {

@@ -69,38 +69,30 @@ pub fn oldest_start_secs(status: &str, now_secs: i64, own_thread: u64) -> Result
     Ok(oldest)
 }
 
-/// Reads the oldest open transaction of another session (microseconds): `Ok(Err(reason))`
-/// when the list cannot be trusted.
-async fn oldest_transaction(pool: &MySqlPool) -> Result<Result<Option<i64>, String>, sqlx::Error> {
-    let mut conn = pool.acquire().await?;
-    let (own_thread, now_secs): (u64, i64) =
-        sqlx::query_as("SELECT CAST(CONNECTION_ID() AS UNSIGNED), CAST(UNIX_TIMESTAMP() AS SIGNED)")
-            .fetch_one(&mut *conn)
-            .await?;
-    let (_, _, status): (String, String, String) = sqlx::query_as("SHOW ENGINE INNODB STATUS")
-        .fetch_one(&mut *conn)
-        .await?;
-    Ok(oldest_start_secs(&status, now_secs, own_thread).map(|o| o.map(|s| s * 1_000_000)))
-}
+/// This session's role, thread and clock (whole Unix seconds, read before the status), and
+/// the replication threads applying a primary's changes on this server.
+const SESSION: &str = "SELECT CAST(CURRENT_USER() AS CHAR), CAST(CONNECTION_ID() AS UNSIGNED), \
+     CAST(UNIX_TIMESTAMP() AS SIGNED), (SELECT COUNT(*) FROM information_schema.processlist \
+     WHERE command IN ('Slave_SQL', 'Slave_worker', 'Replica_SQL', 'Replica_worker'))";
 
-/// Replication threads applying a primary's changes on this server.
-pub const REPLICA_THREADS: &str = "SELECT COUNT(*) FROM information_schema.processlist \
-     WHERE command IN ('Slave_SQL', 'Slave_worker', 'Replica_SQL', 'Replica_worker')";
-
-/// Reads what the bound can see.
+/// Reads what the bound can see: two statements on one connection.
 pub async fn read(pool: &MySqlPool) -> Result<Visibility, sqlx::Error> {
-    let role: String = sqlx::query_scalar("SELECT CAST(CURRENT_USER() AS CHAR)")
-        .fetch_one(pool)
-        .await?;
+    let mut conn = pool.acquire().await?;
+    let (role, own_thread, now_secs, replica_threads): (String, u64, i64, i64) =
+        sqlx::query_as(SESSION).fetch_one(&mut *conn).await?;
     let (user, host) = role.rsplit_once('@').unwrap_or((role.as_str(), "%"));
     let role = format!("'{user}'@'{host}'");
-    let (sees_all_sessions, oldest_start_micros, unreadable) = match oldest_transaction(pool).await {
-        Ok(Ok(oldest)) => (true, oldest, None),
-        Ok(Err(reason)) => (true, None, Some(reason)),
+    let status = sqlx::query_as::<_, (String, String, String)>("SHOW ENGINE INNODB STATUS")
+        .fetch_one(&mut *conn)
+        .await;
+    let (sees_all_sessions, oldest_start_micros, unreadable) = match status {
+        Ok((_, _, status)) => match oldest_start_secs(&status, now_secs, own_thread) {
+            Ok(oldest) => (true, oldest.map(|s| s * 1_000_000), None),
+            Err(reason) => (true, None, Some(reason)),
+        },
         Err(sqlx::Error::Database(e)) if e.message().contains("PROCESS") => (false, None, None),
         Err(e) => return Err(e),
     };
-    let replica_threads: i64 = sqlx::query_scalar(REPLICA_THREADS).fetch_one(pool).await?;
     Ok(Visibility {
         engine: Engine::MySql,
         role,

@@ -32,7 +32,8 @@ pub struct Visibility {
     /// Start of the oldest open transaction of another session (microseconds).
     pub oldest_start_micros: Option<i64>,
     /// Why the open transactions cannot be read right now (MySQL/MariaDB: the server
-    /// truncated its transaction list, or lists a state the bound cannot date); the bound holds the reads until they can.
+    /// truncated its transaction list, or lists a state the bound cannot date); the bound
+    /// holds the reads until they can.
     pub unreadable: Option<String>,
 }
 
