@@ -10,8 +10,18 @@ CREATE TABLE IF NOT EXISTS tidemark_ledger (
     fence           bigint NOT NULL,
     applied_at      timestamptz NOT NULL DEFAULT now()
 );
--- How many of the batch's rows went to the dead letters instead of the table.
-ALTER TABLE tidemark_ledger ADD COLUMN IF NOT EXISTS dead_letters bigint NOT NULL DEFAULT 0;
+-- How many of the batch's rows went to the dead letters instead of the table. Altered only
+-- when missing: `ADD COLUMN IF NOT EXISTS` takes ACCESS EXCLUSIVE even when the column exists,
+-- so a coordinator starting would queue behind any open apply transaction, and every apply
+-- behind it.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'tidemark_ledger'::regclass
+                   AND attname = 'dead_letters' AND NOT attisdropped) THEN
+        ALTER TABLE tidemark_ledger ADD COLUMN dead_letters bigint NOT NULL DEFAULT 0;
+    END IF;
+END
+$$;
 
 -- The epoch each task's batches must belong to, set by `tasks reinit` in the transaction
 -- that resets an accumulate task's totals. Every batch's transaction reads it (FOR SHARE)

@@ -977,3 +977,39 @@ async fn registering_again_is_the_same_batch_and_other_content_is_refused() {
         "only the accepted registration is stored, once, with its first content"
     );
 }
+
+/// A coordinator starting while a worker's apply transaction is open on the target (a
+/// frozen worker holds it until its lease and connection go) must not wait on its locks.
+/// The target migration's `ALTER TABLE tidemark_ledger ADD COLUMN IF NOT EXISTS` took
+/// ACCESS EXCLUSIVE even when the column existed, so it queued behind that transaction,
+/// and every other worker's apply queued behind it (the chaos test's coordinator restart
+/// once hung 60 s on it). The migration now alters only a ledger that lacks the column.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_starts_while_a_target_transaction_holds_the_ledger() {
+    let mut cluster = Cluster::new("ledger_lock").await;
+    create_items(&cluster.source, KeyKind::Bigint, 100).await;
+    let settings = TaskSettings {
+        shards: 1,
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    let mut apply = cluster.target.pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO tidemark_ledger (batch_id, task, epoch, shard_id, row_count, content_hash, fence) \
+         VALUES ('held-open', 'items', 1, 0, 0, 'x', 1)",
+    )
+    .execute(&mut *apply)
+    .await
+    .unwrap();
+    let restarted = tokio::time::timeout(Duration::from_secs(20), cluster.start(&settings)).await;
+    apply.rollback().await.unwrap();
+    assert!(
+        restarted.is_ok(),
+        "the coordinator's start waited on a target transaction's lock on tidemark_ledger"
+    );
+    let held: i64 = sqlx::query_scalar("SELECT count(*) FROM tidemark_ledger WHERE batch_id = 'held-open'")
+        .fetch_one(&cluster.target.pool)
+        .await
+        .unwrap();
+    assert_eq!(held, 0, "the held transaction rolled back");
+}
