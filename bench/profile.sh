@@ -15,7 +15,7 @@ out="$(mktemp -d /tmp/tidemark-profile.XXXXXX)"
 cargo build --release --bins -p tidemark-coordinator -p tidemark-worker -p tidemark-bench
 target/release/tidemark-bench --rows "$rows" > "$out/bench.out" 2> "$out/bench.err" &
 bench=$!
-until grep -q "baseline COPY binary pipe" "$out/bench.err" 2>/dev/null; do
+until grep -q "COPY binary pipes by key range" "$out/bench.err" 2>/dev/null; do
     kill -0 "$bench" 2>/dev/null || { cat "$out/bench.err"; exit 1; }
     sleep 0.5
 done

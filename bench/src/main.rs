@@ -13,10 +13,14 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures::TryStreamExt;
+use sqlx::Connection;
 use tidemark_tests::otlp::{sample, scrape};
 use tidemark_tests::{Cluster, Process, TaskSettings, TempDir, TestDb, binary, free_port};
 
 mod mariadb;
+mod peers;
+
+use peers::{Peer, Peers};
 
 #[derive(Parser)]
 #[command(about = "Tidemark end-to-end benchmark against a raw binary COPY pipe")]
@@ -55,6 +59,11 @@ pub(crate) struct Args {
     /// shards and page size, and print it beside the cluster's.
     #[arg(long)]
     compare_sync: bool,
+    /// Also run sling and dlt on the same table in the same run, each into a fresh target
+    /// (first run, then one incremental run after the updates), checked against the source;
+    /// `bench/peers.sh` installs them into a venv under `target/` from PyPI.
+    #[arg(long)]
+    peers: bool,
 }
 
 const TABLE: &str = "CREATE TABLE bench_items (
@@ -86,33 +95,65 @@ async fn generate(db: &TestDb, rows: i64) {
         .await;
         first = last + 1;
     }
-    db.exec("CREATE INDEX bench_items_cursor ON bench_items (updated_at, id); ANALYZE bench_items")
+    db.exec("CREATE INDEX bench_items_cursor ON bench_items (updated_at, id)")
         .await;
+    // Sets the fresh rows' hint bits and the visibility map, which the first reader of the
+    // table would otherwise write, so that no path measured pays for them.
+    db.exec("VACUUM ANALYZE bench_items").await;
 }
 
 /// The physical limit: binary COPY out of the source straight into an empty table with the
-/// same primary key. Returns (seconds, bytes moved).
-async fn baseline(source: &TestDb, target: &TestDb) -> (f64, u64) {
+/// same primary key, in `streams` parallel pipes (one per key range when more than one, as
+/// Tidemark's shards split it). Returns (seconds, bytes moved).
+async fn baseline(source: &TestDb, target: &TestDb, streams: u32, rows: i64) -> (f64, u64) {
     target.exec(TABLE).await;
-    let started = Instant::now();
-    let mut out_conn = source.pool.acquire().await.unwrap();
-    let mut in_conn = target.pool.acquire().await.unwrap();
-    let mut copy_in = in_conn
-        .copy_in_raw("COPY bench_items FROM STDIN (FORMAT binary)")
-        .await
-        .unwrap();
-    let mut stream = out_conn
-        .copy_out_raw("COPY bench_items TO STDOUT (FORMAT binary)")
-        .await
-        .unwrap();
-    let mut bytes = 0u64;
-    while let Some(chunk) = stream.try_next().await.unwrap() {
-        bytes += chunk.len() as u64;
-        copy_in.send(chunk).await.unwrap();
+    let streams = i64::from(streams.max(1));
+    let mut pipes = Vec::new();
+    // Connected before the clock starts, as Tidemark's workers are before they read.
+    for i in 0..streams {
+        let out_conn = sqlx::PgConnection::connect(&source.url).await.unwrap();
+        let in_conn = sqlx::PgConnection::connect(&target.url).await.unwrap();
+        let select = if streams == 1 {
+            "bench_items".to_string()
+        } else {
+            let (lo, hi) = (1 + rows * i / streams, 1 + rows * (i + 1) / streams);
+            format!("(SELECT * FROM bench_items WHERE id >= {lo} AND id < {hi})")
+        };
+        pipes.push((out_conn, in_conn, select));
     }
-    drop(stream);
-    copy_in.finish().await.unwrap();
-    (started.elapsed().as_secs_f64(), bytes)
+    let started = Instant::now();
+    let pipes = pipes.into_iter().map(|(mut out_conn, mut in_conn, select)| {
+        tokio::spawn(async move {
+            let mut copy_in = in_conn
+                .copy_in_raw("COPY bench_items FROM STDIN (FORMAT binary)")
+                .await
+                .unwrap();
+            let mut stream = out_conn
+                .copy_out_raw(&format!("COPY {select} TO STDOUT (FORMAT binary)"))
+                .await
+                .unwrap();
+            let mut bytes = 0u64;
+            while let Some(chunk) = stream.try_next().await.unwrap() {
+                bytes += chunk.len() as u64;
+                copy_in.send(chunk).await.unwrap();
+            }
+            drop(stream);
+            copy_in.finish().await.unwrap();
+            bytes
+        })
+    });
+    let mut bytes = 0;
+    for pipe in futures::future::join_all(pipes).await {
+        bytes += pipe.unwrap();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let check = "SELECT count(*)::text || ' / ' || sum(amount)::text FROM bench_items";
+    assert_eq!(
+        scalar(source, check).await,
+        scalar(target, check).await,
+        "the {streams}-stream pipe moved every row"
+    );
+    (secs, bytes)
 }
 
 pub(crate) fn peak_rss_mib(pid: u32) -> f64 {
@@ -140,6 +181,25 @@ fn dir_bytes(path: &std::path::Path) -> u64 {
             }
         })
         .sum()
+}
+
+/// Asserts that `target`'s `bench_items` has the source's rows: their count, and the sums of
+/// their keys, amounts and note lengths (the peers' column types differ from Tidemark's, so
+/// the check reads what every mapping keeps).
+async fn same_rows(source: &TestDb, target: &TestDb, who: &str) {
+    let check = "SELECT count(*)::text || ' / ' || sum(id)::text || ' / ' || sum(amount)::text || ' / ' \
+                 || sum(length(note))::text || ' / ' || count(note)::text FROM bench_items";
+    assert_eq!(
+        scalar(source, check).await,
+        scalar(target, check).await,
+        "{who}: the target has the source's rows"
+    );
+}
+
+/// Writes every dirty buffer of the server out before a measured path, so that none pays
+/// for a checkpoint of the writes before it (the generated table, the path measured last).
+async fn settle(db: &TestDb) {
+    db.exec("CHECKPOINT").await;
 }
 
 async fn scalar(db: &TestDb, sql: &str) -> String {
@@ -171,10 +231,35 @@ async fn main() -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
 
-    let (base_secs, base_bytes) = baseline(&cluster.source, &base).await;
+    settle(&base).await;
+    let (base_secs, base_bytes) = baseline(&cluster.source, &base, 1, rows).await;
     eprintln!("baseline COPY binary pipe: {base_secs:.1}s");
     drop(base);
+    let base = TestDb::create("bench_base_n").await;
+    settle(&base).await;
+    let (streams_secs, _) = baseline(&cluster.source, &base, args.shards, rows).await;
+    eprintln!(
+        "baseline, {} COPY binary pipes by key range: {streams_secs:.1}s",
+        args.shards
+    );
+    drop(base);
+    let raw_secs = base_secs.min(streams_secs);
 
+    // The peers' first runs, on the table as Tidemark's snapshot will find it.
+    let peers = args.peers.then(Peers::install);
+    let mut peer_runs = Vec::new();
+    if let Some(peers) = &peers {
+        for peer in Peer::ALL {
+            let target = TestDb::create(&format!("bench_{}", peer.tag())).await;
+            settle(&target).await;
+            let secs = peers.run(peer, &cluster.source, &target);
+            same_rows(&cluster.source, &target, peer.name()).await;
+            eprintln!("{} first run: {secs:.1}s", peer.name());
+            peer_runs.push((peer, target, secs));
+        }
+    }
+
+    settle(&cluster.target).await;
     let (snapshot_secs, metrics) = snapshot(&mut cluster, &args, String::new()).await;
     let staging_bytes = dir_bytes(&cluster.dir.0.join("staging"));
     let check = "SELECT count(*)::text || ' / ' || sum(amount)::text FROM bench_items";
@@ -215,15 +300,36 @@ async fn main() -> anyhow::Result<()> {
         "the target has every update once the watermark passed their commit"
     );
 
+    let rss: Vec<f64> = cluster.workers.iter().map(|w| peak_rss_mib(w.child.id())).collect();
     let after_updates = step_seconds(&metrics).await;
+
+    // The peers' incremental runs after the same updates, with the cluster stopped.
+    let mut peer_updates = Vec::new();
+    if let Some(peers) = &peers {
+        cluster.workers.clear();
+        cluster.coordinator.take();
+        for (peer, target, _) in &peer_runs {
+            let secs = peers.run(*peer, &cluster.source, target);
+            same_rows(&cluster.source, target, peer.name()).await;
+            assert_eq!(
+                scalar(&cluster.source, &check).await,
+                scalar(target, &check).await,
+                "{} has every update after its incremental run",
+                peer.name()
+            );
+            eprintln!("{} incremental run: {secs:.1}s", peer.name());
+            peer_updates.push(secs);
+        }
+    }
+
     let update_steps: Vec<(&str, f64)> = after_updates
         .iter()
         .zip(&steps)
         .map(|((step, total), (_, before))| (*step, total - before))
         .collect();
-    let rss: Vec<f64> = cluster.workers.iter().map(|w| peak_rss_mib(w.child.id())).collect();
 
     let base_rate = rows as f64 / base_secs;
+    let raw_rate = rows as f64 / raw_secs;
     let rate = rows as f64 / snapshot_secs;
     println!(
         "tidemark benchmark: {rows} rows, {} workers, {} shards, page {}",
@@ -237,12 +343,30 @@ async fn main() -> anyhow::Result<()> {
         base_bytes as f64 / 1e6 / base_secs
     );
     println!(
+        "  {:>2} pipes by key range  {:>10.1} s  {:>10.0} rows/s ({:.2} of one pipe's time)",
+        args.shards,
+        streams_secs,
+        rows as f64 / streams_secs,
+        streams_secs / base_secs
+    );
+    println!(
         "  tidemark snapshot       {:>10.1} s  {:>10.0} rows/s  {:>7.1} MB/s (of the baseline's bytes)",
         snapshot_secs,
         rate,
         base_bytes as f64 / 1e6 / snapshot_secs
     );
     println!("  ratio to baseline       {:>10.2}", rate / base_rate);
+    println!("  ratio to the faster raw {:>10.2}", rate / raw_rate);
+    for ((peer, _, first), again) in peer_runs.iter().zip(&peer_updates) {
+        println!(
+            "  {:<14} first run {:>6.1} s  {:>10.0} rows/s (Tidemark {:.1}x faster); incremental run after the updates {:.1} s",
+            peer.name(),
+            first,
+            rows as f64 / first,
+            first / snapshot_secs,
+            again
+        );
+    }
     println!(
         "  {updated} updates in target {:>6.1} s after their commit (safety_delay 2s; the source's UPDATE took {:.1} s)",
         update_secs, statement_secs
@@ -324,6 +448,10 @@ async fn main() -> anyhow::Result<()> {
             "s3_snapshot_seconds": s3_secs,
             "sync_seconds": sync_secs,
             "rows": rows, "baseline_seconds": base_secs, "baseline_rows_per_second": base_rate,
+            "streams": args.shards, "streams_seconds": streams_secs, "ratio_to_faster_raw": rate / raw_rate,
+            "peers": peer_runs.iter().zip(&peer_updates).map(|((peer, _, first), again)| serde_json::json!({
+                "peer": peer.name(), "first_run_seconds": first, "incremental_run_seconds": again,
+            })).collect::<Vec<_>>(),
             "snapshot_seconds": snapshot_secs, "snapshot_rows_per_second": rate, "ratio": rate / base_rate,
             "updates": updated, "update_latency_seconds": update_secs, "update_statement_seconds": statement_secs, "worker_peak_rss_mib": rss,
             "staging_bytes": staging_bytes, "staged_formats": formats,
@@ -389,7 +517,7 @@ async fn sync_snapshot(args: &Args) -> (f64, f64, f64) {
     // The same first read as the cluster's source had (the baseline's COPY): it sets the
     // fresh rows' hint bits, which the first reader of a table otherwise writes.
     let base = TestDb::create("bench_sync_base").await;
-    let (base_secs, _) = baseline(&source, &base).await;
+    let (base_secs, _) = baseline(&source, &base, 1, args.rows).await;
     eprintln!("baseline COPY binary pipe before the sync: {base_secs:.1}s");
     drop(base);
     let config = dir.0.join("sync.toml");
