@@ -19,8 +19,10 @@ use tidemark_tests::{Cluster, Process, TaskSettings, TempDir, TestDb, binary, fr
 
 mod mariadb;
 mod peers;
+mod shapes;
 
 use peers::{Peer, Peers};
+use shapes::Shape;
 
 #[derive(Parser)]
 #[command(about = "Tidemark end-to-end benchmark against a raw binary COPY pipe")]
@@ -64,35 +66,18 @@ pub(crate) struct Args {
     /// `bench/peers.sh` installs them into a venv under `target/` from PyPI.
     #[arg(long)]
     peers: bool,
+    /// The generated table: `items` (the recorded runs before session 17) or `orders`.
+    #[arg(long, value_enum, default_value = "items")]
+    shape: Shape,
 }
 
-const TABLE: &str = "CREATE TABLE bench_items (
-    id bigint PRIMARY KEY,
-    uid uuid NOT NULL,
-    updated_at timestamptz(3) NOT NULL,
-    payload jsonb NOT NULL,
-    amount numeric(12,2) NOT NULL,
-    note text
-)";
-
-async fn generate(db: &TestDb, rows: i64) {
-    db.exec(TABLE).await;
+async fn generate(db: &TestDb, shape: Shape, rows: i64) {
+    db.exec(shape.create()).await;
     let chunk = 1_000_000;
     let mut first = 1;
     while first <= rows {
         let last = (first + chunk - 1).min(rows);
-        db.exec(&format!(
-            "INSERT INTO bench_items
-             SELECT g, md5(g::text)::uuid,
-                    timestamptz '2026-01-01 00:00:00+00' + (g / 50) * interval '1 millisecond',
-                    jsonb_build_object('user', 'user-' || g, 'plan', CASE WHEN g % 3 = 0 THEN 'pro' ELSE 'free' END,
-                                       'tags', jsonb_build_array('a' || g % 10, 'b' || g % 7),
-                                       'text', repeat('lorem ipsum ', 10)),
-                    (g % 100000) / 100.0,
-                    CASE WHEN g % 4 = 0 THEN NULL ELSE 'note ' || g END
-             FROM generate_series({first}, {last}) g"
-        ))
-        .await;
+        db.exec(&shape.insert(first, last)).await;
         first = last + 1;
     }
     db.exec("CREATE INDEX bench_items_cursor ON bench_items (updated_at, id)")
@@ -105,8 +90,8 @@ async fn generate(db: &TestDb, rows: i64) {
 /// The physical limit: binary COPY out of the source straight into an empty table with the
 /// same primary key, in `streams` parallel pipes (one per key range when more than one, as
 /// Tidemark's shards split it). Returns (seconds, bytes moved).
-async fn baseline(source: &TestDb, target: &TestDb, streams: u32, rows: i64) -> (f64, u64) {
-    target.exec(TABLE).await;
+async fn baseline(source: &TestDb, target: &TestDb, shape: Shape, streams: u32, rows: i64) -> (f64, u64) {
+    target.exec(shape.create()).await;
     let streams = i64::from(streams.max(1));
     let mut pipes = Vec::new();
     // Connected before the clock starts, as Tidemark's workers are before they read.
@@ -214,6 +199,9 @@ async fn scalar(db: &TestDb, sql: &str) -> String {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.source == "mariadb" {
+        if !matches!(args.shape, Shape::Items) {
+            anyhow::bail!("--shape: a MariaDB source generates its own items table only");
+        }
         return mariadb::run(&args).await;
     }
     let rows = args.rows;
@@ -221,7 +209,7 @@ async fn main() -> anyhow::Result<()> {
     let base = TestDb::create("bench_base").await;
 
     let started = Instant::now();
-    generate(&cluster.source, rows).await;
+    generate(&cluster.source, args.shape, rows).await;
     let source_bytes: i64 = sqlx::query_scalar("SELECT pg_table_size('bench_items')")
         .fetch_one(&cluster.source.pool)
         .await?;
@@ -232,12 +220,12 @@ async fn main() -> anyhow::Result<()> {
     );
 
     settle(&base).await;
-    let (base_secs, base_bytes) = baseline(&cluster.source, &base, 1, rows).await;
+    let (base_secs, base_bytes) = baseline(&cluster.source, &base, args.shape, 1, rows).await;
     eprintln!("baseline COPY binary pipe: {base_secs:.1}s");
     drop(base);
     let base = TestDb::create("bench_base_n").await;
     settle(&base).await;
-    let (streams_secs, _) = baseline(&cluster.source, &base, args.shards, rows).await;
+    let (streams_secs, _) = baseline(&cluster.source, &base, args.shape, args.shards, rows).await;
     eprintln!(
         "baseline, {} COPY binary pipes by key range: {streams_secs:.1}s",
         args.shards
@@ -423,7 +411,7 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        generate(&cluster.source, rows).await;
+        generate(&cluster.source, args.shape, rows).await;
         let (secs, _) = snapshot(&mut cluster, &args, s3.staging_url("bench")).await;
         let check = "SELECT count(*)::text || ' / ' || sum(amount)::text FROM bench_items";
         assert_eq!(
@@ -513,11 +501,11 @@ async fn sync_snapshot(args: &Args) -> (f64, f64, f64) {
     let source = TestDb::create("bench_sync_src").await;
     let target = TestDb::create("bench_sync_dst").await;
     let dir = TempDir::new("bench_sync");
-    generate(&source, args.rows).await;
+    generate(&source, args.shape, args.rows).await;
     // The same first read as the cluster's source had (the baseline's COPY): it sets the
     // fresh rows' hint bits, which the first reader of a table otherwise writes.
     let base = TestDb::create("bench_sync_base").await;
-    let (base_secs, _) = baseline(&source, &base, 1, args.rows).await;
+    let (base_secs, _) = baseline(&source, &base, args.shape, 1, args.rows).await;
     eprintln!("baseline COPY binary pipe before the sync: {base_secs:.1}s");
     drop(base);
     let config = dir.0.join("sync.toml");

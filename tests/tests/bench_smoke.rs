@@ -25,6 +25,17 @@ fn benchmark_runs_and_computes_its_ratio() {
     assert_eq!(result["rows"], 200_000);
     let ratio = result["ratio"].as_f64().unwrap();
     assert!(ratio.is_finite() && ratio > 0.0, "{result}");
+    // The raw limit is also measured as one pipe per shard, and the ratio to the faster.
+    assert_eq!(result["streams"], 8, "{result}");
+    assert!(result["streams_seconds"].as_f64().unwrap() > 0.0, "{result}");
+    let faster = result["ratio_to_faster_raw"].as_f64().unwrap();
+    // The faster of the two takes at most the one pipe's time.
+    assert!(faster > 0.0 && faster <= ratio * (1.0 + 1e-9), "{result}");
+    assert_eq!(
+        result["peers"],
+        serde_json::json!([]),
+        "peers run only when asked: {result}"
+    );
     assert_eq!(result["updates"], 20_000);
     assert_eq!(result["steps"].as_array().unwrap().len(), 6);
     assert_eq!(result["update_steps"].as_array().unwrap().len(), 6);
