@@ -1,13 +1,14 @@
-//! `cargo run --release -p tidemark-bench -- --rows 10000000`
+//! `cargo run --release -p tidemark-bench -- --rows 10000000 [--peers] [--shape items|orders]`
 //!
-//! In one run, on this machine: generates a source table (bigint key, uuid, timestamptz(3)
-//! cursor with 50 rows per millisecond, ~200 bytes of jsonb, numeric, text), measures the
-//! physical baseline `COPY … TO STDOUT (FORMAT binary) | COPY … FROM STDIN (FORMAT binary)`
-//! into an equivalent empty table with its primary key, then runs a Tidemark snapshot end to
-//! end (coordinator + workers, local staging) into a fresh target, then applies `--updates`
-//! source updates and measures the time until the watermark covers them and the target has
-//! them. Prints rows/s, MB/s, the ratio to the baseline, worker peak RSS, staging bytes and
-//! the time per protocol step.
+//! In one run, on this machine: generates a source table (`--shape`; by default a bigint key,
+//! uuid, timestamptz(3) cursor with 50 rows per millisecond, ~200 bytes of jsonb, numeric,
+//! text), measures the raw limit `COPY … TO STDOUT (FORMAT binary) | COPY … FROM STDIN (FORMAT
+//! binary)` into an equivalent empty table with its primary key, as one pipe and as one pipe
+//! per shard by key range, optionally runs the peers (sling, dlt) on the same table, then runs
+//! a Tidemark snapshot end to end (coordinator + workers, local staging) into a fresh target,
+//! then applies `--updates` source updates and measures the time until the watermark covers
+//! them and the target has them (and the peers' incremental runs after them). Prints rows/s,
+//! MB/s, the ratios, worker peak RSS, staging bytes and the time per protocol step.
 
 use std::time::{Duration, Instant};
 
@@ -25,7 +26,7 @@ use peers::{Peer, Peers};
 use shapes::Shape;
 
 #[derive(Parser)]
-#[command(about = "Tidemark end-to-end benchmark against a raw binary COPY pipe")]
+#[command(about = "Tidemark end-to-end benchmark against raw binary COPY pipes and the peers")]
 pub(crate) struct Args {
     #[arg(long, default_value_t = 1_000_000)]
     pub(crate) rows: i64,
