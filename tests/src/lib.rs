@@ -719,13 +719,21 @@ open_transaction_bound = {bound}
         self.workers.len() - 1
     }
 
+    /// None when the coordinator does not answer within 10 s. The bound matters once the
+    /// coordinator is dead: its free port may be taken by another test's server that
+    /// accepts the connection and never answers in gRPC, and an unbounded call would then
+    /// hold the caller (a chaos loop that must notice the death) for as long as that server
+    /// lives.
     pub async fn try_status(&self) -> Option<pb::StatusResponse> {
         let tls = tidemark_common::tls::ClientTls::from_lookup(|name| {
             self.client_env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
         });
-        let channel = tls.endpoint(&self.address).ok()?.connect().await.ok()?;
-        let mut client = tidemark_proto::admin_client(channel);
-        Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
+        let call = async {
+            let channel = tls.endpoint(&self.address).ok()?.connect().await.ok()?;
+            let mut client = tidemark_proto::admin_client(channel);
+            Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
+        };
+        tokio::time::timeout(Duration::from_secs(10), call).await.ok().flatten()
     }
 
     /// Runs `tidemark-coordinator ARGS…` against this cluster and returns (success, stdout,
