@@ -719,11 +719,8 @@ open_transaction_bound = {bound}
         self.workers.len() - 1
     }
 
-    /// None when the coordinator does not answer within 10 s. The bound matters once the
-    /// coordinator is dead: its free port may be taken by another test's server that
-    /// accepts the connection and never answers in gRPC, and an unbounded call would then
-    /// hold the caller (a chaos loop that must notice the death) for as long as that server
-    /// lives.
+    /// None when the coordinator does not answer within 10 s: a probe must not hold its
+    /// caller (a fault loop that has to notice the coordinator's death) for longer.
     pub async fn try_status(&self) -> Option<pb::StatusResponse> {
         let tls = tidemark_common::tls::ClientTls::from_lookup(|name| {
             self.client_env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
