@@ -610,7 +610,12 @@ async fn run_chaos(knobs: &Knobs, s3: Option<&S3Server>) {
     }
     proxy.set_blackhole(false);
     let _ = stop_writer.send(true);
-    let (writes_end, changes) = writer_task.await.unwrap();
+    // Bounded, so that a writer stuck in a statement fails by name instead of holding the
+    // test until its harness timeout.
+    let (writes_end, changes) = tokio::time::timeout(Duration::from_secs(60), writer_task)
+        .await
+        .expect("the writer stops within 60 s of being told to")
+        .unwrap();
     for (slot_number, slot) in slots.iter_mut().enumerate() {
         if cluster.workers[slot.index].child.try_wait().unwrap().is_some() || slot.armed.is_some() {
             cluster.workers[slot.index].kill9();
