@@ -29,7 +29,17 @@ impl FaultProxy {
         let blackhole = Arc::new(AtomicBool::new(false));
         let flag = blackhole.clone();
         let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
+            loop {
+                // A failed accept (a connection reset before it was accepted, a descriptor
+                // limit) must not end the proxy: every later connect would be refused.
+                let client = match listener.accept().await {
+                    Ok((client, _)) => client,
+                    Err(error) => {
+                        eprintln!("fault proxy: accept failed: {error}; accepting again");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                };
                 let flag = flag.clone();
                 tokio::spawn(async move {
                     while flag.load(Ordering::SeqCst) {
