@@ -64,6 +64,12 @@ pub struct CoordinatorConfig {
     /// references (torn writes, crashed owners), are deleted once older than this.
     #[serde(default = "default_staging_retention", with = "serde_human")]
     pub staging_retention: Duration,
+    /// The control database's history is deleted once older than this: registry rows of
+    /// committed and abandoned batches, checkpoint history, late-row records. Staged batches
+    /// and every shard's checkpoint are never deleted. Without it, each batch adds about
+    /// 1.5 KiB that nothing removes.
+    #[serde(default = "default_history_retention", with = "serde_human")]
+    pub history_retention: Duration,
     /// The address other replicas, workers and the CLI reach this replica at (shown as the
     /// leader's address); default `http://<listen>` (`https://` with `tls`).
     #[serde(default)]
@@ -398,6 +404,9 @@ fn default_lease_ttl() -> Duration {
 }
 fn default_staging_retention() -> Duration {
     Duration::from_secs(3600)
+}
+fn default_history_retention() -> Duration {
+    Duration::from_secs(7 * 86_400)
 }
 fn default_shards() -> u32 {
     8

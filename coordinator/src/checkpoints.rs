@@ -1120,19 +1120,20 @@ impl ControlDb {
         Ok(paused == 1)
     }
 
-    /// The source columns (and their types) of the epoch a batch was read in; `None` for a
-    /// batch the control database does not know.
-    pub async fn batch_columns(&self, batch_id: &str) -> Result<Option<Vec<Column>>, CoordinatorError> {
-        let columns: Option<serde_json::Value> = sqlx::query_scalar(
-            "SELECT e.columns FROM batches b JOIN epochs e ON e.task = b.task AND e.epoch = b.epoch WHERE b.batch_id = $1",
-        )
-        .bind(batch_id)
-        .fetch_optional(&self.pool)
-        .await?;
+    /// The source columns (and their types) of a task's epoch, as frozen when the epoch was
+    /// planned; `None` for an epoch the control database does not know.
+    pub async fn epoch_columns(&self, task: &str, epoch: i64) -> Result<Option<Vec<Column>>, CoordinatorError> {
+        let columns: Option<serde_json::Value> =
+            sqlx::query_scalar("SELECT columns FROM epochs WHERE task = $1 AND epoch = $2")
+                .bind(task)
+                .bind(epoch)
+                .fetch_optional(&self.pool)
+                .await?;
         columns
             .map(|value| {
-                stored_columns(value)
-                    .map_err(|e| CoordinatorError::InvalidRequest(format!("stored columns of batch {batch_id}: {e}")))
+                stored_columns(value).map_err(|e| {
+                    CoordinatorError::InvalidRequest(format!("stored columns of {task} epoch {epoch}: {e}"))
+                })
             })
             .transpose()
     }

@@ -12,6 +12,7 @@ pub mod discover;
 pub(crate) mod engines;
 pub mod epochs;
 pub mod error;
+pub mod history;
 pub mod janitor;
 pub mod leader;
 pub mod leases;

@@ -117,6 +117,11 @@ pub async fn serve(
         settings.staging_retention,
         leadership.clone(),
     ));
+    tokio::spawn(crate::history::prune_history(
+        control.clone(),
+        settings.history_retention,
+        leadership.clone(),
+    ));
     tokio::spawn(crate::epochs::drive(control.clone(), tasks.clone(), leadership.clone()));
     tokio::spawn(campaign(leases.clone(), advertise.clone(), leadership.clone()));
     let capacity = crate::capacity::Capacity::default();

@@ -76,9 +76,15 @@ async fn assert_equal_except(cluster: &Cluster, queries: (&str, &str), poison: &
 
 /// The task (4 shards, pages of 1,000 rows) with two workers; returns the shard count.
 async fn start_two_workers(cluster: &mut Cluster) -> u32 {
+    start_two_workers_with(cluster, String::new()).await
+}
+
+/// The same, with extra `[coordinator]` lines.
+async fn start_two_workers_with(cluster: &mut Cluster, coordinator_extra: String) -> u32 {
     let settings = TaskSettings {
         shards: 4,
         page_size: 1000,
+        coordinator_extra,
         ..TaskSettings::default()
     };
     cluster.start(&settings).await;
@@ -277,7 +283,9 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
                 tag uuid NOT NULL, doc jsonb NOT NULL, _tidemark_version bigint NOT NULL)",
         )
         .await;
-    let shards = start_two_workers(&mut cluster).await;
+    // The control history is pruned after 20 s: the last retry below runs after the
+    // registry rows of its letters' batches are gone.
+    let shards = start_two_workers_with(&mut cluster, "history_retention = \"20s\"".into()).await;
     cluster
         .wait_for("the snapshot", Duration::from_secs(180), |t| t.snapshot_complete)
         .await;
@@ -387,6 +395,36 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
     .unwrap();
     assert_eq!(layouts.len(), null_names.len());
     assert!(layouts.iter().any(|l| l.ends_with("+binary")), "{layouts:?}");
+    // Past `history_retention`, the registry rows of committed and abandoned batches and the
+    // checkpoint history are deleted; staged batches and checkpoints stay.
+    let letter_batches: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT batch_id FROM tidemark_dead_letters WHERE status <> 'RESOLVED'")
+            .fetch_all(&cluster.target.pool)
+            .await
+            .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let (registered, old_rows): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM batches WHERE batch_id = ANY($1)),              (SELECT count(*) FROM batches WHERE state <> 'STAGED' AND coalesce(committed_at, staged_at) < now() - interval '40 s')              + (SELECT count(*) FROM checkpoint_history WHERE committed_at < now() - interval '40 s')",
+        )
+        .bind(&letter_batches)
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap();
+        if registered == 0 && old_rows == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "history not pruned: {registered} of the letters' batches registered, {old_rows} rows past 40 s"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let checkpoints: i64 = sqlx::query_scalar("SELECT count(*) FROM checkpoints")
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap();
+    assert_eq!(checkpoints, shards as i64, "every checkpoint stays");
     cluster
         .target
         .exec("ALTER TABLE items ALTER COLUMN name DROP NOT NULL; ALTER TABLE items ALTER COLUMN tag TYPE text")

@@ -283,7 +283,20 @@ pub async fn retry(
         let payload: Vec<u8> = claimed.get(0);
         let layout = Layout::parse(&claimed.get::<String, _>(1)).map_err(CoordinatorError::InvalidRequest)?;
         let read_in = match layout.format {
-            CopyFormat::Binary => control.batch_columns(&claimed.get::<String, _>(2)).await?,
+            // The epoch from the target's ledger, written in the transaction that wrote the
+            // letter: the batch's registry row may be pruned (`history_retention`).
+            CopyFormat::Binary => {
+                let batch_id: String = claimed.get(2);
+                let epoch: Option<i64> = sqlx::query_scalar("SELECT epoch FROM tidemark_ledger WHERE batch_id = $1")
+                    .bind(&batch_id)
+                    .fetch_optional(target)
+                    .await
+                    .map_err(target_error)?;
+                match epoch {
+                    Some(epoch) => control.epoch_columns(name, epoch).await?,
+                    None => None,
+                }
+            }
             CopyFormat::Text => None,
         };
         let letter = Letter {
