@@ -50,6 +50,67 @@ struct Args {
     /// Share of the workers that vanish halfway through (no release, no heartbeat).
     #[arg(long, default_value_t = 0.1)]
     vanish: f64,
+    /// Control history already there when the run starts: this many committed batches and as
+    /// many checkpoint-history rows, their commit times spread evenly over the 14 days
+    /// before, so that half are past the default `history_retention` of 7 days and the
+    /// coordinator's first pruning pass (30 s after its start) deletes them during the run.
+    #[arg(long, default_value_t = 0)]
+    history: u64,
+}
+
+/// Fills the control database with `rows` committed batches and history rows shaped as the
+/// protocol writes them (a real shard's cursor; ids, hashes and manifest paths of the real
+/// lengths), 100,000 rows per statement.
+async fn prefill_history(control: &sqlx::PgPool, rows: u64) {
+    let chunk = 100_000u64;
+    let mut from = 0u64;
+    while from < rows {
+        let to = (from + chunk).min(rows);
+        sqlx::query(
+            "WITH c AS (SELECT task, epoch, shard_id, cursor FROM checkpoints ORDER BY shard_id LIMIT 1), \
+             g AS (SELECT n, md5('prefill-' || n) AS id, \
+                   now() - make_interval(secs => 14 * 86400.0 * (1 - n::float8 / $3)) AS at \
+                   FROM generate_series($1::bigint, $2::bigint - 1) n), \
+             b AS (INSERT INTO batches (batch_id, task, epoch, shard_id, lower, upper, row_count, byte_size, \
+                     content_hash, manifest_path, fence, state, staged_at, committed_at) \
+                   SELECT g.id, c.task, c.epoch, c.shard_id, c.cursor, c.cursor, 5000, 412000, \
+                     'sha256:' || encode(sha256(g.id::bytea), 'hex'), \
+                     c.task || '/epoch-' || c.epoch || '/shard-' || c.shard_id || '/' || g.id || '/manifest-' \
+                       || encode(sha256(g.id::bytea), 'hex') || '-fence-12.json', \
+                     12, 'COMMITTED', g.at, g.at FROM g, c) \
+             INSERT INTO checkpoint_history (task, epoch, shard_id, version, fence, cursor, batch_id, row_count, committed_at) \
+             SELECT c.task, c.epoch, c.shard_id, g.n, 12, c.cursor, g.id, 5000, g.at FROM g, c",
+        )
+        .bind(from as i64)
+        .bind(to as i64)
+        .bind(rows as f64)
+        .execute(control)
+        .await
+        .unwrap();
+        from = to;
+    }
+}
+
+/// The control database's size and its history tables' rows and sizes.
+async fn control_size(control: &sqlx::PgPool) -> String {
+    let row = sqlx::query(
+        "SELECT pg_database_size(current_database()), (SELECT count(*) FROM checkpoints), \
+         (SELECT count(*) FROM checkpoint_history), pg_total_relation_size('checkpoint_history'), \
+         (SELECT count(*) FROM batches), pg_total_relation_size('batches')",
+    )
+    .fetch_one(control)
+    .await
+    .unwrap();
+    let mib = |i: usize| row.get::<i64, _>(i) as f64 / 1048576.0;
+    format!(
+        "{:.1} MiB; checkpoints {}, checkpoint_history {} ({:.1} MiB), batches {} ({:.1} MiB)",
+        mib(0),
+        row.get::<i64, _>(1),
+        row.get::<i64, _>(2),
+        mib(3),
+        row.get::<i64, _>(4),
+        mib(5)
+    )
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -508,6 +569,20 @@ async fn main() {
         args.max_shards,
         args.batch_interval
     );
+    if args.history > 0 {
+        let filling = Instant::now();
+        prefill_history(&cluster.control.pool, args.history).await;
+        println!(
+            "history: {} batches and as many checkpoint-history rows written in {:.1} s; control database {}",
+            args.history,
+            filling.elapsed().as_secs_f64(),
+            control_size(&cluster.control.pool).await
+        );
+        // Started again, so that its first pruning pass (30 s after its start) comes during
+        // the run and not during the filling.
+        let config = cluster.write_config(&settings);
+        cluster.launch_coordinator(&config, &[]).await;
+    }
     let coordinator_pid = cluster.coordinator.as_ref().unwrap().child.id();
     let shared = Arc::new(Shared {
         latencies: Latencies::default(),
@@ -658,25 +733,12 @@ async fn main() {
         etcd_keys,
         (etcd_cpu1 - etcd_cpu0) / seconds
     );
-    let control = &cluster.control.pool;
-    let size: i64 = sqlx::query_scalar("SELECT pg_database_size(current_database())")
-        .fetch_one(control)
-        .await
-        .unwrap();
-    let rows = sqlx::query(
-        "SELECT (SELECT count(*) FROM checkpoints), (SELECT count(*) FROM checkpoint_history), \
-         (SELECT count(*) FROM batches)",
-    )
-    .fetch_one(control)
-    .await
-    .unwrap();
-    println!(
-        "control database: {:.1} MiB; checkpoints {}, checkpoint_history {}, batches {}",
-        size as f64 / 1048576.0,
-        rows.get::<i64, _>(0),
-        rows.get::<i64, _>(1),
-        rows.get::<i64, _>(2)
-    );
+    println!("control database: {}", control_size(&cluster.control.pool).await);
+    for line in cluster.coordinator.as_ref().unwrap().log_text().lines() {
+        if line.contains("control history pruned") {
+            println!("coordinator: {}", line.trim());
+        }
+    }
     println!(
         "status: p50 {:.1} ms, max {:.1} ms",
         status_ms[status_ms.len() / 2],
