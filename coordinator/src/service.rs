@@ -397,10 +397,13 @@ impl WorkerService for CoordinatorService {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        self.inner.leadership.require().await?;
+        // Any replica renews a lease, leader or not: leases live in etcd (or, in process, in
+        // the one coordinator there is). A worker that moved on to a follower while the
+        // leader is being replaced keeps its lease, and its shards, through the election
+        // (an election takes up to a lease TTL, as long as the worker's lease lasts).
         let request = request.into_inner();
         let lease_alive = self.inner.leases.keep_alive(request.lease_id).await?;
-        if lease_alive {
+        if lease_alive && self.inner.leadership.is_leader() {
             self.seen.heard(&request.worker_id, &self.inner.control).await;
         } else {
             count(&METRICS.leases_lost, &[], 1);

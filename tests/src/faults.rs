@@ -19,6 +19,7 @@ use crate::{TempDir, free_port};
 pub struct FaultProxy {
     pub address: String,
     blackhole: Arc<AtomicBool>,
+    upstream: Arc<std::sync::Mutex<SocketAddr>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -28,6 +29,8 @@ impl FaultProxy {
         let address = format!("http://{}", listener.local_addr().unwrap());
         let blackhole = Arc::new(AtomicBool::new(false));
         let flag = blackhole.clone();
+        let upstream = Arc::new(std::sync::Mutex::new(upstream));
+        let target = upstream.clone();
         let task = tokio::spawn(async move {
             loop {
                 // A failed accept (a connection reset before it was accepted, a descriptor
@@ -41,6 +44,7 @@ impl FaultProxy {
                     }
                 };
                 let flag = flag.clone();
+                let upstream = *target.lock().unwrap();
                 tokio::spawn(async move {
                     while flag.load(Ordering::SeqCst) {
                         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -58,8 +62,14 @@ impl FaultProxy {
         FaultProxy {
             address,
             blackhole,
+            upstream,
             task,
         }
+    }
+
+    /// Connections accepted from now on go to `upstream` (those open stay where they are).
+    pub fn set_upstream(&self, upstream: SocketAddr) {
+        *self.upstream.lock().unwrap() = upstream;
     }
 
     pub fn set_blackhole(&self, on: bool) {

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use sqlx::Row;
+use tidemark_proto::v1 as pb;
+use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
 use tidemark_tests::{Cluster, KeyKind, Process, TaskSettings, binary, create_items, free_port, write_changes};
 
 fn shards_json(cluster: &Cluster) -> serde_json::Value {
@@ -212,8 +214,33 @@ async fn leader_killed_mid_sync_follower_takes_over() {
     let leader = cluster.try_status().await.unwrap().leader;
     assert_eq!(leader, first_address, "the first replica leads ({status:?})");
 
+    // A worker of the test's own, registered with the leader.
+    let mut probe = WorkerServiceClient::connect(first_address.clone()).await.unwrap();
+    let lease_id = probe
+        .register_worker(pb::RegisterWorkerRequest {
+            worker_id: "ha-probe".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+
     cluster.coordinator.as_mut().unwrap().kill9();
     let killed = Instant::now();
+    // Before the follower is elected (that takes up to a lease TTL), it already renews a
+    // worker's lease: a worker that moved on to it keeps its lease through the election.
+    let mut follower = WorkerServiceClient::connect(second_address.clone()).await.unwrap();
+    let heartbeat = follower
+        .heartbeat(pb::HeartbeatRequest {
+            worker_id: "ha-probe".into(),
+            lease_id,
+        })
+        .await;
+    let before_election = killed.elapsed();
+    assert!(
+        heartbeat.as_ref().is_ok_and(|r| r.get_ref().lease_alive),
+        "the follower renews a worker's lease {before_election:?} after the leader died: {heartbeat:?}"
+    );
     cluster.address = second_address.clone();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -232,6 +259,17 @@ async fn leader_killed_mid_sync_follower_takes_over() {
     let end = write_changes(&cluster.source, KeyKind::Bigint, 200_000, 4).await;
     cluster.wait_for_watermark(end, Duration::from_secs(120)).await;
     cluster.items_diff().await.assert_clean("after leader failover");
+    // The workers' leases live in etcd: the follower kept them alive while it was not yet
+    // the leader, so that no worker lost its lease (and with it all its shards) to the
+    // election.
+    for worker in &cluster.workers {
+        let log = worker.log_text();
+        assert!(
+            !log.contains("lease expired"),
+            "{} lost its lease in the failover",
+            worker.name
+        );
+    }
     assert_fences_increase(&cluster).await;
     assert_ledger_matches_registry(&cluster).await;
 }

@@ -56,6 +56,31 @@ struct Args {
     /// coordinator's first pruning pass (30 s after its start) deletes them during the run.
     #[arg(long, default_value_t = 0)]
     history: u64,
+    /// After the measured run, kill -9 the leader with a standby replica running (started
+    /// with the leader, on the same etcd and control database; the workers reach both
+    /// through one proxy, switched to the standby at the kill, as a worker given both
+    /// addresses moves on), and time until commits come back, and back to their rate.
+    #[arg(long)]
+    failover: bool,
+}
+
+/// A call retried while the coordinator is unavailable (no leader, or not reachable), as a
+/// real worker retries it: every call is safe to repeat. Gives up after 120 s.
+async fn retried<T, F, Fut>(shared: &Shared, mut call: F) -> Result<T, tonic::Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match call().await {
+            Err(status) if status.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
+                shared.counters.unavailable.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Fills the control database with `rows` committed batches and history rows shaped as the
@@ -144,6 +169,10 @@ struct Counters {
     register_retries: AtomicU64,
     zombie_accepted: AtomicU64,
     zombie_refused: AtomicU64,
+    /// Commits, measured or not (the failover is timed after the measured run).
+    all_commits: AtomicU64,
+    /// Calls answered `Unavailable` and tried again.
+    unavailable: AtomicU64,
 }
 
 /// A shard: (task, epoch, shard id). Shard ids repeat across tasks (more than 4,096 shards are
@@ -420,13 +449,24 @@ async fn run_shard(
         let (register, commit) = batch(&worker_id, &assignment, &cursor, version);
         let next = commit.upper.clone();
         let started = Instant::now();
-        if client.register_batch(register).await.is_err() {
+        if retried(&shared, || {
+            let (mut client, register) = (client.clone(), register.clone());
+            async move { client.register_batch(register).await }
+        })
+        .await
+        .is_err()
+        {
             shared.counters.refused.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         shared.latencies.record("register_batch", started).await;
         let started = Instant::now();
-        let response = match client.commit_batch(commit).await {
+        let response = match retried(&shared, || {
+            let (mut client, commit) = (client.clone(), commit.clone());
+            async move { client.commit_batch(commit).await }
+        })
+        .await
+        {
             Ok(r) => r.into_inner(),
             Err(_) => {
                 shared.counters.refused.fetch_add(1, Ordering::Relaxed);
@@ -434,6 +474,7 @@ async fn run_shard(
             }
         };
         shared.latencies.record("commit_batch", started).await;
+        shared.counters.all_commits.fetch_add(1, Ordering::Relaxed);
         if shared.measuring.load(Ordering::Relaxed) {
             shared.counters.commits.fetch_add(1, Ordering::Relaxed);
         }
@@ -583,6 +624,45 @@ async fn main() {
         let config = cluster.write_config(&settings);
         cluster.launch_coordinator(&config, &[]).await;
     }
+    // The standby replica and the proxy in front of both (with --failover).
+    let standby = if args.failover {
+        let config = cluster.dir.0.join("tidemark.toml");
+        let text = std::fs::read_to_string(&config).unwrap();
+        let leader_listen = cluster.address.trim_start_matches("http://").to_string();
+        let standby_listen = format!("127.0.0.1:{}", tidemark_tests::free_port());
+        let text: String = text
+            .replace(
+                &format!("listen = \"{leader_listen}\""),
+                &format!("listen = \"{standby_listen}\""),
+            )
+            .lines()
+            .filter(|l| !l.starts_with("metrics_listen"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let standby_config = cluster.dir.0.join("standby.toml");
+        std::fs::write(&standby_config, text).unwrap();
+        let process = tidemark_tests::Process::spawn(
+            "coordinator-standby",
+            &tidemark_tests::binary("tidemark-coordinator"),
+            &["serve", "--config", standby_config.to_str().unwrap()],
+            &[],
+            &cluster.dir.0,
+        );
+        process
+            .wait_for_log("coordinator serving", Duration::from_secs(60))
+            .await;
+        let proxy = tidemark_tests::faults::FaultProxy::start(leader_listen.parse().unwrap()).await;
+        println!(
+            "failover: standby replica on {standby_listen}; workers reach the leader through {}",
+            proxy.address
+        );
+        Some((process, standby_listen, proxy))
+    } else {
+        None
+    };
+    let worker_address = standby
+        .as_ref()
+        .map_or(cluster.address.clone(), |(_, _, proxy)| proxy.address.clone());
     let coordinator_pid = cluster.coordinator.as_ref().unwrap().child.id();
     let shared = Arc::new(Shared {
         latencies: Latencies::default(),
@@ -598,7 +678,7 @@ async fn main() {
     for number in 0..args.workers {
         workers.spawn(worker(
             number,
-            cluster.address.clone(),
+            worker_address.clone(),
             args.clone(),
             shared.clone(),
             vanish_rx.clone(),
@@ -770,5 +850,62 @@ async fn main() {
         shared.counters.zombie_refused.load(Ordering::Relaxed),
         shared.counters.zombie_accepted.load(Ordering::Relaxed)
     );
+    if let Some((standby, standby_listen, proxy)) = standby {
+        fail_over(&mut cluster, &shared, standby, &standby_listen, &proxy).await;
+    }
     workers.shutdown().await;
+}
+
+/// Kills the leader (-9) under the load still running, sends new connections to the
+/// standby, and times: the standby's election, the first commit after the kill, and the
+/// first second whose commits reach 80 % of the rate before.
+async fn fail_over(
+    cluster: &mut Cluster,
+    shared: &Shared,
+    standby: tidemark_tests::Process,
+    standby_listen: &str,
+    proxy: &tidemark_tests::faults::FaultProxy,
+) {
+    let commits = || shared.counters.all_commits.load(Ordering::Relaxed);
+    let refused = || shared.counters.refused.load(Ordering::Relaxed);
+    let before = commits();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let rate = (commits() - before) as f64 / 10.0;
+    let (refused0, unavailable0) = (refused(), shared.counters.unavailable.load(Ordering::Relaxed));
+    let killed = Instant::now();
+    cluster.coordinator.as_mut().unwrap().kill9();
+    proxy.set_upstream(standby_listen.parse().unwrap());
+    let at_kill = commits();
+    let mut first_commit = None;
+    let mut elected = None;
+    let mut restored = None;
+    let mut window = (Instant::now(), at_kill);
+    while killed.elapsed() < Duration::from_secs(180) && restored.is_none() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = commits();
+        if first_commit.is_none() && now > at_kill {
+            first_commit = Some(killed.elapsed());
+        }
+        if elected.is_none() && standby.log_text().contains("elected leader") {
+            elected = Some(killed.elapsed());
+        }
+        if window.0.elapsed() >= Duration::from_secs(1) {
+            let per_second = (now - window.1) as f64 / window.0.elapsed().as_secs_f64();
+            if first_commit.is_some() && per_second >= 0.8 * rate {
+                restored = Some(killed.elapsed());
+            }
+            window = (Instant::now(), now);
+        }
+    }
+    let seconds = |d: Option<Duration>| d.map_or("never (180 s)".to_string(), |d| format!("{:.1} s", d.as_secs_f64()));
+    println!(
+        "failover: {rate:.0} commits/s before the kill; standby elected after {}, first commit after {}, \
+         80 % of the rate after {}; {} calls answered Unavailable and retried, {} batches refused meanwhile",
+        seconds(elected),
+        seconds(first_commit),
+        seconds(restored),
+        shared.counters.unavailable.load(Ordering::Relaxed) - unavailable0,
+        refused() - refused0
+    );
+    drop(standby);
 }
