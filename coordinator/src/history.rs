@@ -58,33 +58,27 @@ pub async fn prune_history(control: ControlDb, retention: Duration, leadership: 
     }
 }
 
+/// The DELETE of one chunk per table ($1: the retention in seconds, $2: the chunk size). The
+/// states are literals (see `batches::commit`): `STAGED` rows are never deleted. History ids
+/// grow with time, so the oldest rows come first in the primary key's order.
+const STATEMENTS: [&str; 3] = [
+    "DELETE FROM batches WHERE batch_id IN (SELECT batch_id FROM batches \
+     WHERE state IN ('COMMITTED', 'ABANDONED') \
+     AND coalesce(committed_at, staged_at) < now() - make_interval(secs => $1) LIMIT $2)",
+    "DELETE FROM checkpoint_history WHERE id IN (SELECT id FROM checkpoint_history \
+     WHERE committed_at < now() - make_interval(secs => $1) ORDER BY id LIMIT $2)",
+    "DELETE FROM late_rows WHERE id IN (SELECT id FROM late_rows \
+     WHERE found_at < now() - make_interval(secs => $1) ORDER BY id LIMIT $2)",
+];
+
 /// One pass: deletes, chunk by chunk, every row older than `retention`.
 pub async fn prune_once(control: &ControlDb, retention: Duration) -> Result<Pruned, sqlx::Error> {
     let seconds = retention.as_secs_f64();
-    // The states are literals (see `batches::commit`): `STAGED` rows are never deleted.
-    let batches = chunked(
-        control,
-        "DELETE FROM batches WHERE batch_id IN (SELECT batch_id FROM batches \
-         WHERE state IN ('COMMITTED', 'ABANDONED') \
-         AND coalesce(committed_at, staged_at) < now() - make_interval(secs => $1) LIMIT $2)",
-        seconds,
-    )
-    .await?;
-    // Ids grow with time: the oldest rows come first in the primary key's order.
-    let checkpoint_history = chunked(
-        control,
-        "DELETE FROM checkpoint_history WHERE id IN (SELECT id FROM checkpoint_history \
-         WHERE committed_at < now() - make_interval(secs => $1) ORDER BY id LIMIT $2)",
-        seconds,
-    )
-    .await?;
-    let late_rows = chunked(
-        control,
-        "DELETE FROM late_rows WHERE id IN (SELECT id FROM late_rows \
-         WHERE found_at < now() - make_interval(secs => $1) ORDER BY id LIMIT $2)",
-        seconds,
-    )
-    .await?;
+    let mut deleted = [0u64; 3];
+    for (statement, count) in STATEMENTS.iter().zip(deleted.iter_mut()) {
+        *count = chunked(control, statement, seconds).await?;
+    }
+    let [batches, checkpoint_history, late_rows] = deleted;
     Ok(Pruned {
         batches,
         checkpoint_history,

@@ -173,6 +173,14 @@ fn is_stopped(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// Counts the coordinator's crash point when its log says it was reached.
+fn count_coordinator_crash(cluster: &Cluster, tally: &mut Tally) {
+    let log = cluster.coordinator.as_ref().unwrap().log_text();
+    if log.contains("crash point commit_before_reply reached") {
+        *tally.crash_points.entry("commit_before_reply".into()).or_default() += 1;
+    }
+}
+
 /// One zombie episode: a worker frozen between applying a batch and committing it.
 struct Zombie {
     slot: usize,
@@ -407,15 +415,7 @@ async fn run_chaos(knobs: &Knobs, s3: Option<&S3Server>) {
         }
         // The coordinator died at its crash point: start it again.
         if let Some(status) = cluster.coordinator.as_mut().unwrap().child.try_wait().unwrap() {
-            if cluster
-                .coordinator
-                .as_ref()
-                .unwrap()
-                .log_text()
-                .contains("crash point commit_before_reply reached")
-            {
-                *tally.crash_points.entry("commit_before_reply".into()).or_default() += 1;
-            }
+            count_coordinator_crash(&cluster, &mut tally);
             eprintln!("chaos: coordinator exited ({status}); restarting");
             cluster.launch_coordinator(&config, &[]).await;
             coordinator_armed = false;
@@ -639,15 +639,7 @@ async fn run_chaos(knobs: &Knobs, s3: Option<&S3Server>) {
         .unwrap()
         .is_some();
     if exited || coordinator_armed {
-        if cluster
-            .coordinator
-            .as_ref()
-            .unwrap()
-            .log_text()
-            .contains("crash point commit_before_reply reached")
-        {
-            *tally.crash_points.entry("commit_before_reply".into()).or_default() += 1;
-        }
+        count_coordinator_crash(&cluster, &mut tally);
         eprintln!(
             "chaos: after the fault window, the coordinator (exited: {exited}, armed: {coordinator_armed}) is started without a crash point"
         );
