@@ -262,10 +262,12 @@ pub async fn retry(
         keys.to_vec()
     };
     let mut response = pb::RetryDeadLettersResponse::default();
+    let mut epoch_columns: std::collections::HashMap<i64, Option<Vec<Column>>> = std::collections::HashMap::new();
     for key in candidates {
         let claimed = sqlx::query(sqlx::AssertSqlSafe(format!(
             "UPDATE tidemark_dead_letters SET status = 'PROCESSING', claimed_by = $4, claimed_at = now(), \
-             updated_at = now() WHERE task = $1 AND key = $2 AND {} RETURNING payload, payload_layout, batch_id",
+             updated_at = now() WHERE task = $1 AND key = $2 AND {} RETURNING payload, payload_layout, \
+             (SELECT epoch FROM tidemark_ledger l WHERE l.batch_id = tidemark_dead_letters.batch_id)",
             retryable("$3", "$5")
         )))
         .bind(name)
@@ -283,20 +285,18 @@ pub async fn retry(
         let payload: Vec<u8> = claimed.get(0);
         let layout = Layout::parse(&claimed.get::<String, _>(1)).map_err(CoordinatorError::InvalidRequest)?;
         let read_in = match layout.format {
-            // The epoch from the target's ledger, written in the transaction that wrote the
-            // letter: the batch's registry row may be pruned (`history_retention`).
-            CopyFormat::Binary => {
-                let batch_id: String = claimed.get(2);
-                let epoch: Option<i64> = sqlx::query_scalar("SELECT epoch FROM tidemark_ledger WHERE batch_id = $1")
-                    .bind(&batch_id)
-                    .fetch_optional(target)
-                    .await
-                    .map_err(target_error)?;
-                match epoch {
-                    Some(epoch) => control.epoch_columns(name, epoch).await?,
-                    None => None,
+            // The epoch comes from the target's ledger row, written in the transaction that
+            // wrote the letter: the batch's registry row may be pruned (`history_retention`).
+            // Its columns are read once per epoch.
+            CopyFormat::Binary => match claimed.get::<Option<i64>, _>(2) {
+                Some(epoch) => {
+                    if let std::collections::hash_map::Entry::Vacant(slot) = epoch_columns.entry(epoch) {
+                        slot.insert(control.epoch_columns(name, epoch).await?);
+                    }
+                    epoch_columns[&epoch].clone()
                 }
-            }
+                None => None,
+            },
             CopyFormat::Text => None,
         };
         let letter = Letter {
