@@ -403,11 +403,11 @@ impl WorkerService for CoordinatorService {
         // (an election takes up to a lease TTL, as long as the worker's lease lasts).
         let request = request.into_inner();
         let lease_alive = self.inner.leases.keep_alive(request.lease_id).await?;
-        if lease_alive && self.inner.leadership.is_leader() {
-            self.seen.heard(&request.worker_id, &self.inner.control).await;
-        } else {
+        if !lease_alive {
             count(&METRICS.leases_lost, &[], 1);
             tracing::warn!(worker = %request.worker_id, lease_id = request.lease_id, "heartbeat for an expired lease");
+        } else if self.inner.leadership.is_leader() {
+            self.seen.heard(&request.worker_id, &self.inner.control).await;
         }
         Ok(Response::new(pb::HeartbeatResponse { lease_alive }))
     }
