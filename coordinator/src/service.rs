@@ -53,17 +53,10 @@ pub struct CoordinatorService {
 }
 
 impl CoordinatorService {
-    /// Starts the claim queue's watch of freed shards: call inside the runtime.
     pub fn new(coordinator: Coordinator) -> CoordinatorService {
-        let claims = Arc::new(ClaimQueue::default());
-        tokio::spawn(crate::claim_queue::follow_freed(
-            claims.clone(),
-            coordinator.leases.clone(),
-            coordinator.leadership.clone(),
-        ));
         CoordinatorService {
             inner: Arc::new(coordinator),
-            claims,
+            claims: Arc::new(ClaimQueue::default()),
             seen: Arc::new(WorkersSeen::default()),
             commits: Arc::new(CommitGroups::default()),
         }

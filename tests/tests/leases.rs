@@ -4,8 +4,7 @@
 //! only under the fence it was claimed with; a lease that is not kept alive expires within its
 //! TTL and frees what it owned, while one kept alive keeps it.
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tidemark_coordinator::checkpoints::ShardKey;
 use tidemark_coordinator::leases::Leases;
@@ -153,77 +152,6 @@ async fn etcd_heartbeats_share_a_stream_per_lease_and_survive_a_restart() {
         leases.owners().await.unwrap().get(&shard(7)),
         Some(&("a".to_string(), fence))
     );
-}
-
-/// The claim queue learns of freed shards from etcd's watch: a release and a lease's expiry
-/// each report the shard once, at once, and a claim reports nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn etcd_reports_each_freed_shard_as_it_is_freed() {
-    let etcd = Etcd::start();
-    let leases = Leases::connect(std::slice::from_ref(&etcd.endpoint), "/lease-freed", TTL, None)
-        .await
-        .unwrap();
-    let freed: Arc<Mutex<Vec<(ShardKey, Instant)>>> = Arc::default();
-    let watch = {
-        let (leases, freed) = (leases.clone(), freed.clone());
-        tokio::spawn(async move {
-            leases
-                .watch_freed(&|shard| freed.lock().unwrap().push((shard, Instant::now())))
-                .await
-        })
-    };
-    let a = leases.grant_worker_lease().await.unwrap();
-    // The watch is open once a probe's release is reported.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let fence = leases.try_claim(&shard(100), "a", a).await.unwrap().unwrap();
-        leases.release(&shard(100), fence).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        if !freed.lock().unwrap().is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the watch reported nothing");
-    }
-    freed.lock().unwrap().clear();
-
-    let fence = leases.try_claim(&shard(1), "a", a).await.unwrap().unwrap();
-    let b = leases.grant_worker_lease().await.unwrap();
-    let granted = Instant::now();
-    leases.try_claim(&shard(2), "b", b).await.unwrap().unwrap();
-    leases.try_claim(&shard(3), "b", b).await.unwrap().unwrap();
-    let released = Instant::now();
-    leases.release(&shard(1), fence).await.unwrap();
-    // b is not kept alive: its lease expires within its TTL and frees shards 2 and 3.
-    let deadline = Instant::now() + TTL * 3;
-    while freed.lock().unwrap().len() < 3 && Instant::now() < deadline {
-        assert!(leases.keep_alive(a).await.unwrap());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let freed = freed.lock().unwrap().clone();
-    let shards: Vec<u32> = freed.iter().map(|(s, _)| s.shard_id).collect();
-    assert!(
-        shards == [1, 2, 3] || shards == [1, 3, 2],
-        "freed: {shards:?} (the release, then the expiry; claims report nothing)"
-    );
-    assert!(
-        freed[0].1.duration_since(released) < Duration::from_secs(1),
-        "the release was reported {:?} after it",
-        freed[0].1.duration_since(released)
-    );
-    let expired = freed[2].1.duration_since(granted);
-    assert!(
-        expired < TTL + Duration::from_secs(2),
-        "the expiry was reported {expired:?} after the grant (TTL {TTL:?})"
-    );
-    assert!(!watch.is_finished(), "the watch ended: {:?}", watch.await);
-    watch.abort();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_process_leases_have_no_watch() {
-    // In process, expiries are noticed by the claim queue's reads alone.
-    let leases = Leases::in_process(TTL, 0);
-    assert!(!leases.watch_freed(&|_| panic!("no watch")).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,8 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
-    Txn, TxnOp, WatchFilterType, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp,
 };
 use tidemark_common::tls::ClientTls;
 
@@ -242,56 +241,24 @@ impl EtcdLeases {
             .await?;
         let mut owners = HashMap::new();
         for kv in response.kvs() {
-            let Some(shard) = kv.key_str().ok().and_then(|key| self.shard_of(key)) else {
+            let Ok(key) = kv.key_str() else { continue };
+            let parts: Vec<&str> = key[prefix.len()..].split('/').collect();
+            let [task, epoch, shard_id] = parts.as_slice() else {
+                continue;
+            };
+            let (Ok(epoch), Ok(shard_id)) = (epoch.parse(), shard_id.parse()) else {
                 continue;
             };
             let worker = kv.value_str().unwrap_or_default().to_string();
-            owners.insert(shard, (worker, kv.create_revision() as u64));
+            owners.insert(
+                ShardKey {
+                    task: task.to_string(),
+                    epoch,
+                    shard_id,
+                },
+                (worker, kv.create_revision() as u64),
+            );
         }
         Ok(owners)
-    }
-
-    /// The shard an ownership key names, `None` for any other key.
-    fn shard_of(&self, key: &str) -> Option<ShardKey> {
-        let rest = key.strip_prefix(&self.owners_prefix())?;
-        let parts: Vec<&str> = rest.split('/').collect();
-        let [task, epoch, shard_id] = parts.as_slice() else {
-            return None;
-        };
-        Some(ShardKey {
-            task: task.to_string(),
-            epoch: epoch.parse().ok()?,
-            shard_id: shard_id.parse().ok()?,
-        })
-    }
-
-    /// Calls `freed` with every shard whose ownership key is deleted (a release, or the
-    /// owner's lease expiring) from when the watch is created until it ends. Returns when the
-    /// stream ends or fails; events while no watch runs are not seen.
-    pub(crate) async fn watch_freed(&self, freed: &(dyn Fn(ShardKey) + Send + Sync)) -> Result<(), CoordinatorError> {
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_filters([WatchFilterType::NoPut]);
-        let mut stream = self.client.clone().watch(self.owners_prefix(), Some(options)).await?;
-        while let Some(response) = stream.message().await? {
-            if response.canceled() {
-                return Err(etcd_client::Error::WatchError(format!(
-                    "etcd cancelled the ownership watch: {}",
-                    response.cancel_reason()
-                ))
-                .into());
-            }
-            for event in response.events() {
-                let shard = event
-                    .kv()
-                    .filter(|_| event.event_type() == EventType::Delete)
-                    .and_then(|kv| kv.key_str().ok())
-                    .and_then(|key| self.shard_of(key));
-                if let Some(shard) = shard {
-                    freed(shard);
-                }
-            }
-        }
-        Ok(())
     }
 }

@@ -124,14 +124,4 @@ impl Leases {
             Store::Local(local) => Ok(local.owners()),
         }
     }
-
-    /// Calls `freed` with each shard whose ownership ends (released, or its owner's lease
-    /// expired) while the watch runs; returns when it ends. Only etcd has such a watch: with
-    /// leases in process, this returns `Ok(false)` at once.
-    pub async fn watch_freed(&self, freed: &(dyn Fn(ShardKey) + Send + Sync)) -> Result<bool, CoordinatorError> {
-        match &self.store {
-            Store::Etcd(etcd) => etcd.watch_freed(freed).await.map(|()| true),
-            Store::Local(_) => Ok(false),
-        }
-    }
 }
