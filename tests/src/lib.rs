@@ -498,30 +498,58 @@ pub struct Cluster {
 /// out (`too many clients`, seen as `PoolTimedOut`). A slot is an exclusive lock on one of
 /// `TIDEMARK_TEST_CLUSTERS` (default 5) files in the temp directory; the kernel drops it when
 /// the process ends, however it ends. Further clusters wait for a slot.
-pub struct ClusterSlot(#[allow(dead_code)] std::fs::File);
+pub struct ClusterSlot(#[allow(dead_code)] Option<std::fs::File>);
 
-async fn cluster_slot() -> ClusterSlot {
+/// Set by a process that holds every slot (`all_cluster_slots`) for the processes it runs:
+/// their clusters are within its share, and must not wait for a slot it holds.
+pub const SLOTS_HELD_BY_PARENT: &str = "TIDEMARK_TEST_SLOTS_HELD";
+
+fn slot_files() -> Vec<std::fs::File> {
     let slots: usize = std::env::var("TIDEMARK_TEST_CLUSTERS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(5);
     let dir = std::env::temp_dir().join("tidemark-test-slots");
     std::fs::create_dir_all(&dir).unwrap();
-    loop {
-        for n in 0..slots {
-            let file = std::fs::OpenOptions::new()
+    (0..slots)
+        .map(|n| {
+            std::fs::OpenOptions::new()
                 .create(true)
                 .truncate(false)
                 .write(true)
                 .open(dir.join(format!("slot-{n}")))
-                .unwrap();
+                .unwrap()
+        })
+        .collect()
+}
+
+async fn cluster_slot() -> ClusterSlot {
+    if std::env::var_os(SLOTS_HELD_BY_PARENT).is_some() {
+        return ClusterSlot(None);
+    }
+    loop {
+        for file in slot_files() {
             if file.try_lock().is_ok() {
-                return ClusterSlot(file);
+                return ClusterSlot(Some(file));
             }
         }
         // Held by other tests: wait for one to finish.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Every slot, for a run that needs the machine to itself (the benchmark's smoke run, whose
+/// parallel pipes, pools and `CHECKPOINT` would otherwise share the server's connections and
+/// disk with the clusters beside it). Blocks until each is free, taking them in order, so
+/// that two such callers cannot deadlock. The processes it runs get `SLOTS_HELD_BY_PARENT`.
+pub fn all_cluster_slots() -> Vec<ClusterSlot> {
+    slot_files()
+        .into_iter()
+        .map(|file| {
+            file.lock().unwrap();
+            ClusterSlot(Some(file))
+        })
+        .collect()
 }
 
 impl Cluster {
