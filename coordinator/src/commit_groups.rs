@@ -103,7 +103,10 @@ fn rounds<T>(taken: Vec<(CommitBatch, T)>) -> Vec<Vec<(CommitBatch, T)>> {
 async fn run(control: &ControlDb, group: Vec<(CommitBatch, Reply)>) {
     let (commits, replies): (Vec<CommitBatch>, Vec<Reply>) = group.into_iter().unzip();
     METRICS.commit_group_size.observe(commits.len() as f64);
-    match control.commit_batches(&commits).await {
+    let started = std::time::Instant::now();
+    let outcome = control.commit_batches(&commits).await;
+    METRICS.commit_group_seconds.observe(started.elapsed().as_secs_f64());
+    match outcome {
         Ok(outcomes) => {
             for (reply, outcome) in replies.into_iter().zip(outcomes) {
                 // The caller may have gone (its RPC was cancelled): its retry finds the commit.

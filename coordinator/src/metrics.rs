@@ -32,6 +32,13 @@ pub struct CoordinatorMetrics {
     pub leader: Gauge,
     /// Commits per control transaction (`commit_groups`).
     pub commit_group_size: Histogram,
+    /// A commit's time in the coordinator, from its arrival to its answer: the wait for a
+    /// group and the group's transaction.
+    pub commit_seconds: Histogram,
+    /// One group's control-database transaction.
+    pub commit_group_seconds: Histogram,
+    /// How late a task that asked to wake is run (`probe_runtime_delay`).
+    pub runtime_delay_seconds: Histogram,
 }
 
 pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorMetrics {
@@ -52,6 +59,9 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     shards_unassigned: GaugeFamily::default(),
     leader: Gauge::default(),
     commit_group_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
+    commit_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+    commit_group_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+    runtime_delay_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
 });
 
 pub fn count(family: &CounterFamily, pairs: &[(&str, &str)], by: u64) {
@@ -142,8 +152,37 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "Commits per control-database transaction (commits that arrive together share one)",
         m.commit_group_size.clone(),
     );
+    r.register(
+        "tidemark_commit_seconds",
+        "A commit's time in the coordinator, from arrival to answer (waiting for a group, then its transaction)",
+        m.commit_seconds.clone(),
+    );
+    r.register(
+        "tidemark_commit_group_seconds",
+        "One commit group's control-database transaction",
+        m.commit_group_seconds.clone(),
+    );
+    r.register(
+        "tidemark_runtime_delay_seconds",
+        "How much later than asked a sleeping task is run: time every RPC and statement waits for a core",
+        m.runtime_delay_seconds.clone(),
+    );
     let refresh = register_trace_counters(&mut r);
     (Arc::new(r), refresh)
+}
+
+/// Sleeps 50 ms at a time and records how much longer each sleep took: the wait of a woken
+/// task for a core of the runtime, which every RPC and every statement's reply pays too
+/// (a few milliseconds on an idle process; hundreds mean the coordinator is short of CPU).
+pub async fn probe_runtime_delay() {
+    const PERIOD: Duration = Duration::from_millis(50);
+    loop {
+        let asked = std::time::Instant::now();
+        tokio::time::sleep(PERIOD).await;
+        METRICS
+            .runtime_delay_seconds
+            .observe(asked.elapsed().saturating_sub(PERIOD).as_secs_f64());
+    }
 }
 
 /// Refreshes the gauges from the control database.

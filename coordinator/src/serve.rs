@@ -134,6 +134,7 @@ pub async fn serve(
         capacity.clone(),
     ));
     tokio::spawn(crate::metrics::refresh_gauges(control.clone(), leadership.clone()));
+    tokio::spawn(crate::metrics::probe_runtime_delay());
     if let Some(listen) = settings.metrics_listen {
         let (registry, refresh) = crate::metrics::registry();
         tidemark_common::metrics::serve(listen, registry, refresh)

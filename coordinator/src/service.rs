@@ -321,6 +321,7 @@ impl CoordinatorService {
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
         let lower = parse_request_cursor(&request.lower)?;
         let upper = parse_request_cursor(&request.upper)?;
+        let arrived = std::time::Instant::now();
         let result = self
             .commits
             .commit(
@@ -339,6 +340,7 @@ impl CoordinatorService {
                 },
             )
             .await;
+        METRICS.commit_seconds.observe(arrived.elapsed().as_secs_f64());
         match result {
             Ok(committed) => {
                 if !committed.repeated && !request.empty {

@@ -148,6 +148,23 @@ async fn metrics_agree_with_the_ledger() {
         Some(0.0),
         "a running task is not paused\n{metrics}"
     );
+    // Every commit is timed, in its group and in the coordinator: at least one per batch
+    // (idle shards commit empty advances too), and never fewer commits than groups.
+    let batches = sample(&metrics, "tidemark_batches_total", "task=\"items\"").expect("batches");
+    let commits = sample(&metrics, "tidemark_commit_seconds_count", "").expect("commit histogram");
+    let groups = sample(&metrics, "tidemark_commit_group_seconds_count", "").expect("group histogram");
+    assert!(
+        commits >= batches && batches > 0.0,
+        "{commits} commits timed for {batches} batches"
+    );
+    assert!(
+        groups >= 1.0 && groups <= commits,
+        "{groups} groups for {commits} commits"
+    );
+    assert!(
+        sample(&metrics, "tidemark_runtime_delay_seconds_count", "").is_some_and(|n| n > 0.0),
+        "the runtime's delay is probed\n{metrics}"
+    );
     for name in [
         "tidemark_batches_total",
         "tidemark_leases_acquired_total",

@@ -153,6 +153,34 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 #[derive(Default)]
 struct Latencies(Mutex<HashMap<&'static str, Vec<u32>>>);
 
+impl Shared {
+    fn refuse(&self, rpc: &str, status: &tonic::Status) {
+        self.counters.refused.fetch_add(1, Ordering::Relaxed);
+        let message: String = status
+            .message()
+            .chars()
+            .map(|c| if c.is_ascii_digit() { '#' } else { c })
+            .take(100)
+            .collect();
+        let reason = format!("{rpc}: {:?}: {message}", status.code());
+        *self.refusals.lock().unwrap().entry(reason).or_default() += 1;
+    }
+
+    /// The refusals since `since` (a copy of the map taken earlier), most frequent first.
+    fn refusals_since(&self, since: &std::collections::BTreeMap<String, u64>) -> String {
+        let mut lines: Vec<(u64, String)> = self
+            .refusals
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(reason, n)| (n - since.get(reason).copied().unwrap_or(0), reason.clone()))
+            .filter(|(n, _)| *n > 0)
+            .collect();
+        lines.sort_by(|a, b| b.cmp(a));
+        lines.iter().map(|(n, reason)| format!("\n  {n} × {reason}")).collect()
+    }
+}
+
 impl Latencies {
     async fn record(&self, rpc: &'static str, started: Instant) {
         let micros = started.elapsed().as_micros().min(u32::MAX as u128) as u32;
@@ -185,6 +213,9 @@ type Owners = Mutex<HashMap<ShardRef, (usize, Instant)>>;
 struct Shared {
     latencies: Latencies,
     counters: Counters,
+    /// Refused calls by RPC, status code and message (digits masked, so that one reason
+    /// counts as one line whatever its shard or version).
+    refusals: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
     owners: Owners,
     measuring: AtomicBool,
 }
@@ -431,8 +462,8 @@ async fn run_shard(
                 version = r.get_ref().new_version;
                 cursor = pending.upper.clone();
             }
-            Err(_) => {
-                shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+            Err(status) => {
+                shared.refuse("commit_batch (replay)", &status);
                 return None;
             }
         }
@@ -449,14 +480,13 @@ async fn run_shard(
         let (register, commit) = batch(&worker_id, &assignment, &cursor, version);
         let next = commit.upper.clone();
         let started = Instant::now();
-        if retried(&shared, || {
+        if let Err(status) = retried(&shared, || {
             let (mut client, register) = (client.clone(), register.clone());
             async move { client.register_batch(register).await }
         })
         .await
-        .is_err()
         {
-            shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+            shared.refuse("register_batch", &status);
             return None;
         }
         shared.latencies.record("register_batch", started).await;
@@ -468,8 +498,8 @@ async fn run_shard(
         .await
         {
             Ok(r) => r.into_inner(),
-            Err(_) => {
-                shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+            Err(status) => {
+                shared.refuse("commit_batch", &status);
                 return None;
             }
         };
@@ -527,6 +557,35 @@ fn process_usage(pid: u32) -> (f64, f64, f64) {
     (cpu, kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
 }
 
+/// The server's `pg_stat_wal`: records, bytes, writes, syncs, write and sync milliseconds
+/// (the times stay 0 unless `track_wal_io_timing` is on).
+async fn wal_stats(pool: &sqlx::PgPool) -> [f64; 6] {
+    let row: (f64, f64, f64, f64, f64, f64) = sqlx::query_as(
+        "SELECT wal_records::float8, wal_bytes::float8, wal_write::float8, wal_sync::float8, \
+         wal_write_time, wal_sync_time FROM pg_stat_wal",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap_or_default();
+    [row.0, row.1, row.2, row.3, row.4, row.5]
+}
+
+/// The machine's busy CPU time from `/proc/stat`, in clock ticks of 1/100 s.
+fn box_ticks() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<f64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal: idle and iowait are not busy.
+    let all: f64 = ticks.iter().take(8).sum();
+    all - ticks.get(3).copied().unwrap_or(0.0) - ticks.get(4).copied().unwrap_or(0.0)
+}
+
 /// The text of an HTTP `/metrics` endpoint at `host:port` (empty when it does not answer).
 async fn scrape(host: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -547,6 +606,33 @@ fn metric_sum(text: &str, name: &str) -> f64 {
         .filter(|l| l.split([' ', '{']).next() == Some(name))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// A histogram's cumulative buckets, `(le, count)` in order, from a scrape.
+fn buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    text.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(&prefix)?;
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// The upper bound of the bucket that holds the `q` quantile of what was observed between
+/// two scrapes; `None` when nothing was.
+fn bucket_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
+    let count = |buckets: &[(f64, f64)], le: f64| buckets.iter().find(|(l, _)| *l == le).map_or(0.0, |(_, c)| *c);
+    let total = after.last().map(|(le, c)| c - count(before, *le))?;
+    if total <= 0.0 {
+        return None;
+    }
+    after
+        .iter()
+        .find(|(le, c)| c - count(before, *le) >= q * total)
+        .map(|(le, _)| *le)
 }
 
 /// etcd's own metrics: (gRPC requests handled, keys, CPU seconds).
@@ -667,6 +753,7 @@ async fn main() {
     let shared = Arc::new(Shared {
         latencies: Latencies::default(),
         counters: Counters::default(),
+        refusals: Default::default(),
         owners: Mutex::new(HashMap::new()),
         measuring: AtomicBool::new(false),
     });
@@ -706,6 +793,9 @@ async fn main() {
     );
     shared.latencies.0.lock().await.clear();
     let (cpu0, _, _) = process_usage(coordinator_pid);
+    let (harness0, _, _) = process_usage(std::process::id());
+    let box0 = box_ticks();
+    let wal0 = wal_stats(&cluster.control.pool).await;
     let (etcd_requests0, _, etcd_cpu0) = etcd_metrics(&cluster.etcd.endpoint).await;
     let groups = |text: String| {
         (
@@ -713,7 +803,8 @@ async fn main() {
             metric_sum(&text, "tidemark_commit_group_size_sum"),
         )
     };
-    let (groups0, grouped0) = groups(scrape(&coordinator_metrics).await);
+    let metrics0 = scrape(&coordinator_metrics).await;
+    let (groups0, grouped0) = groups(metrics0.clone());
     shared.measuring.store(true, Ordering::Relaxed);
     let measure = Instant::now();
     tokio::time::sleep(args.duration / 2).await;
@@ -731,8 +822,12 @@ async fn main() {
     tokio::time::sleep(args.duration / 2).await;
     let seconds = measure.elapsed().as_secs_f64();
     let (cpu1, rss, rss_peak) = process_usage(coordinator_pid);
+    let (harness1, _, _) = process_usage(std::process::id());
+    let box1 = box_ticks();
+    let wal1 = wal_stats(&cluster.control.pool).await;
     let (etcd_requests1, etcd_keys, etcd_cpu1) = etcd_metrics(&cluster.etcd.endpoint).await;
-    let (groups1, grouped1) = groups(scrape(&coordinator_metrics).await);
+    let metrics1 = scrape(&coordinator_metrics).await;
+    let (groups1, grouped1) = groups(metrics1.clone());
     shared.measuring.store(false, Ordering::Relaxed);
     let latencies = std::mem::take(&mut *shared.latencies.0.lock().await);
     // Reacquisition, waited for past the measured time if need be.
@@ -797,15 +892,41 @@ async fn main() {
         shared.counters.errors.load(Ordering::Relaxed),
         shared.counters.register_retries.load(Ordering::Relaxed)
     );
+    let refusals = shared.refusals_since(&Default::default());
+    if !refusals.is_empty() {
+        println!("refused, by reason:{refusals}");
+    }
     println!(
         "coordinator: {:.2} CPU cores over the measured time; RSS {rss:.0} MiB (peak {rss_peak:.0} MiB)",
         (cpu1 - cpu0) / seconds
+    );
+    println!(
+        "box: {:.2} of {} cores busy (the harness's own simulated workers {:.2})",
+        (box1 - box0) / 100.0 / seconds,
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        (harness1 - harness0) / seconds
     );
     println!(
         "commit groups: {:.0} control transactions for {:.0} commits, {:.1} commits per transaction",
         groups1 - groups0,
         grouped1 - grouped0,
         (grouped1 - grouped0) / (groups1 - groups0).max(1.0)
+    );
+    let inside = |name: &str, q: f64| {
+        let (before, after) = (buckets(&metrics0, name), buckets(&metrics1, name));
+        bucket_quantile(&before, &after, q).map_or("-".to_string(), |s| format!("{:.1}", s * 1000.0))
+    };
+    println!(
+        "in the coordinator (ms, bucket upper bounds): commit p50 {} p99 {}; its group's transaction p50 {} p99 {}",
+        inside("tidemark_commit_seconds", 0.5),
+        inside("tidemark_commit_seconds", 0.99),
+        inside("tidemark_commit_group_seconds", 0.5),
+        inside("tidemark_commit_group_seconds", 0.99),
+    );
+    println!(
+        "the coordinator's runtime ran woken tasks late by (ms, bucket upper bounds): p50 {} p99 {}",
+        inside("tidemark_runtime_delay_seconds", 0.5),
+        inside("tidemark_runtime_delay_seconds", 0.99),
     );
     println!(
         "etcd: {:.0} requests/s, {:.0} keys, {:.2} CPU cores",
@@ -814,6 +935,22 @@ async fn main() {
         (etcd_cpu1 - etcd_cpu0) / seconds
     );
     println!("control database: {}", control_size(&cluster.control.pool).await);
+    let wal = |i: usize| (wal1[i] - wal0[i]) / seconds;
+    println!(
+        "WAL (the whole server): {:.0} records/s, {:.2} MiB/s, {:.0} writes/s, {:.0} syncs/s{}",
+        wal(0),
+        wal(1) / 1048576.0,
+        wal(2),
+        wal(3),
+        if wal1[5] > 0.0 {
+            format!(
+                ", {:.2} ms per sync",
+                (wal1[5] - wal0[5]) / (wal1[3] - wal0[3]).max(1.0)
+            )
+        } else {
+            String::new()
+        }
+    );
     for line in cluster.coordinator.as_ref().unwrap().log_text().lines() {
         if line.contains("control history pruned") {
             println!("coordinator: {}", line.trim());
@@ -872,6 +1009,7 @@ async fn fail_over(
     tokio::time::sleep(Duration::from_secs(10)).await;
     let rate = (commits() - before) as f64 / 10.0;
     let (refused0, unavailable0) = (refused(), shared.counters.unavailable.load(Ordering::Relaxed));
+    let refusals0 = shared.refusals.lock().unwrap().clone();
     let killed = Instant::now();
     cluster.coordinator.as_mut().unwrap().kill9();
     proxy.set_upstream(standby_listen.parse().unwrap());
@@ -900,12 +1038,13 @@ async fn fail_over(
     let seconds = |d: Option<Duration>| d.map_or("never (180 s)".to_string(), |d| format!("{:.1} s", d.as_secs_f64()));
     println!(
         "failover: {rate:.0} commits/s before the kill; standby elected after {}, first commit after {}, \
-         80 % of the rate after {}; {} calls answered Unavailable and retried, {} batches refused meanwhile",
+         80 % of the rate after {}; {} calls answered Unavailable and retried, {} batches refused meanwhile{}",
         seconds(elected),
         seconds(first_commit),
         seconds(restored),
         shared.counters.unavailable.load(Ordering::Relaxed) - unavailable0,
-        refused() - refused0
+        refused() - refused0,
+        shared.refusals_since(&refusals0)
     );
     drop(standby);
 }
