@@ -153,34 +153,6 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 #[derive(Default)]
 struct Latencies(Mutex<HashMap<&'static str, Vec<u32>>>);
 
-impl Shared {
-    fn refuse(&self, rpc: &str, status: &tonic::Status) {
-        self.counters.refused.fetch_add(1, Ordering::Relaxed);
-        let message: String = status
-            .message()
-            .chars()
-            .map(|c| if c.is_ascii_digit() { '#' } else { c })
-            .take(100)
-            .collect();
-        let reason = format!("{rpc}: {:?}: {message}", status.code());
-        *self.refusals.lock().unwrap().entry(reason).or_default() += 1;
-    }
-
-    /// The refusals since `since` (a copy of the map taken earlier), most frequent first.
-    fn refusals_since(&self, since: &std::collections::BTreeMap<String, u64>) -> String {
-        let mut lines: Vec<(u64, String)> = self
-            .refusals
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(reason, n)| (n - since.get(reason).copied().unwrap_or(0), reason.clone()))
-            .filter(|(n, _)| *n > 0)
-            .collect();
-        lines.sort_by(|a, b| b.cmp(a));
-        lines.iter().map(|(n, reason)| format!("\n  {n} × {reason}")).collect()
-    }
-}
-
 impl Latencies {
     async fn record(&self, rpc: &'static str, started: Instant) {
         let micros = started.elapsed().as_micros().min(u32::MAX as u128) as u32;
@@ -191,7 +163,6 @@ impl Latencies {
 #[derive(Default)]
 struct Counters {
     commits: AtomicU64,
-    refused: AtomicU64,
     errors: AtomicU64,
     /// RegisterWorker calls that failed and were tried again.
     register_retries: AtomicU64,
@@ -218,6 +189,37 @@ struct Shared {
     refusals: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
     owners: Owners,
     measuring: AtomicBool,
+}
+
+impl Shared {
+    fn refuse(&self, rpc: &str, status: &tonic::Status) {
+        let message: String = status
+            .message()
+            .chars()
+            .map(|c| if c.is_ascii_digit() { '#' } else { c })
+            .take(100)
+            .collect();
+        let reason = format!("{rpc}: {:?}: {message}", status.code());
+        *self.refusals.lock().unwrap().entry(reason).or_default() += 1;
+    }
+
+    fn refused(&self) -> u64 {
+        self.refusals.lock().unwrap().values().sum()
+    }
+
+    /// The refusals since `since` (a copy of the map taken earlier), most frequent first.
+    fn refusals_since(&self, since: &std::collections::BTreeMap<String, u64>) -> String {
+        let mut lines: Vec<(u64, String)> = self
+            .refusals
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(reason, n)| (n - since.get(reason).copied().unwrap_or(0), reason.clone()))
+            .filter(|(n, _)| *n > 0)
+            .collect();
+        lines.sort_by(|a, b| b.cmp(a));
+        lines.iter().map(|(n, reason)| format!("\n  {n} × {reason}")).collect()
+    }
 }
 
 struct Held {
@@ -558,7 +560,7 @@ fn process_usage(pid: u32) -> (f64, f64, f64) {
 }
 
 /// The server's `pg_stat_wal`: records, bytes, writes, syncs, write and sync milliseconds
-/// (the times stay 0 unless `track_wal_io_timing` is on).
+/// (the times do not move unless `track_wal_io_timing` is on).
 async fn wal_stats(pool: &sqlx::PgPool) -> [f64; 6] {
     let row: (f64, f64, f64, f64, f64, f64) = sqlx::query_as(
         "SELECT wal_records::float8, wal_bytes::float8, wal_write::float8, wal_sync::float8, \
@@ -797,14 +799,14 @@ async fn main() {
     let box0 = box_ticks();
     let wal0 = wal_stats(&cluster.control.pool).await;
     let (etcd_requests0, _, etcd_cpu0) = etcd_metrics(&cluster.etcd.endpoint).await;
-    let groups = |text: String| {
+    let groups = |text: &str| {
         (
-            metric_sum(&text, "tidemark_commit_group_size_count"),
-            metric_sum(&text, "tidemark_commit_group_size_sum"),
+            metric_sum(text, "tidemark_commit_group_size_count"),
+            metric_sum(text, "tidemark_commit_group_size_sum"),
         )
     };
     let metrics0 = scrape(&coordinator_metrics).await;
-    let (groups0, grouped0) = groups(metrics0.clone());
+    let (groups0, grouped0) = groups(&metrics0);
     shared.measuring.store(true, Ordering::Relaxed);
     let measure = Instant::now();
     tokio::time::sleep(args.duration / 2).await;
@@ -827,7 +829,7 @@ async fn main() {
     let wal1 = wal_stats(&cluster.control.pool).await;
     let (etcd_requests1, etcd_keys, etcd_cpu1) = etcd_metrics(&cluster.etcd.endpoint).await;
     let metrics1 = scrape(&coordinator_metrics).await;
-    let (groups1, grouped1) = groups(metrics1.clone());
+    let (groups1, grouped1) = groups(&metrics1);
     shared.measuring.store(false, Ordering::Relaxed);
     let latencies = std::mem::take(&mut *shared.latencies.0.lock().await);
     // Reacquisition, waited for past the measured time if need be.
@@ -888,7 +890,7 @@ async fn main() {
     println!(
         "commits: {commits} in {seconds:.0} s = {:.0}/s; refused {}; RPC errors {}; RegisterWorker retried {} times",
         commits as f64 / seconds,
-        shared.counters.refused.load(Ordering::Relaxed),
+        shared.refused(),
         shared.counters.errors.load(Ordering::Relaxed),
         shared.counters.register_retries.load(Ordering::Relaxed)
     );
@@ -942,7 +944,7 @@ async fn main() {
         wal(1) / 1048576.0,
         wal(2),
         wal(3),
-        if wal1[5] > 0.0 {
+        if wal1[5] > wal0[5] {
             format!(
                 ", {:.2} ms per sync",
                 (wal1[5] - wal0[5]) / (wal1[3] - wal0[3]).max(1.0)
@@ -1004,7 +1006,7 @@ async fn fail_over(
     proxy: &tidemark_tests::faults::FaultProxy,
 ) {
     let commits = || shared.counters.all_commits.load(Ordering::Relaxed);
-    let refused = || shared.counters.refused.load(Ordering::Relaxed);
+    let refused = || shared.refused();
     let before = commits();
     tokio::time::sleep(Duration::from_secs(10)).await;
     let rate = (commits() - before) as f64 / 10.0;
