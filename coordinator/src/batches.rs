@@ -79,49 +79,62 @@ pub struct Registered {
     pub existing: Option<(String, String)>,
 }
 
-/// Registers a staged batch in one statement, if its shard's checkpoint allows it: the
-/// shard is not retired, its epoch runs, the task is not paused, `fence` is the current
-/// owner's and `lower` its committed cursor (the caller checks the returned row the same
-/// way, to say which refused it). A batch id registered before is left as it was and
-/// reported in `existing`.
-pub async fn register(conn: &mut PgConnection, batch: Registration<'_>) -> Result<Registered, sqlx::Error> {
+/// Registers staged batches of distinct shards in one statement, each if its shard's
+/// checkpoint allows it: the shard is not retired, its epoch runs, the task is not paused,
+/// `fence` is the current owner's and `lower` its committed cursor (the caller checks the
+/// returned row the same way, to say which refused it). A batch id registered before is
+/// left as it was and reported in `existing`. One answer per batch, in order.
+pub async fn register(conn: &mut PgConnection, group: &[Registration<'_>]) -> Result<Vec<Registered>, sqlx::Error> {
+    if group.is_empty() {
+        return Ok(Vec::new());
+    }
     let statement = format!(
         "WITH c (i, cursor, version, fence, last_batch_id, paused_reason, current_epoch, retired, \
            release_requested, running) AS ({lock}), \
+         g AS (SELECT * FROM unnest($4::text[], $5::jsonb[], $6::jsonb[], $7::bigint[], $8::bigint[], \
+           $9::text[], $10::text[], $11::bigint[]) WITH ORDINALITY \
+           AS g(batch_id, lower, upper, row_count, byte_size, content_hash, manifest_path, fence, i)), \
          inserted AS (\
            INSERT INTO batches (batch_id, task, epoch, shard_id, lower, upper, row_count, byte_size, \
            content_hash, manifest_path, fence, state) \
-           SELECT $4, $1[1], $2[1], $3[1], $5, $6, $7, $8, $9, $10, $11, 'STAGED' FROM c \
-           WHERE c.fence = $11 AND NOT c.retired AND c.running AND c.paused_reason IS NULL AND c.cursor = $5 \
-           ON CONFLICT (batch_id) DO NOTHING RETURNING 1) \
-         SELECT c.*, EXISTS (SELECT 1 FROM inserted), b.content_hash, b.state \
-         FROM (SELECT 1) one LEFT JOIN c ON true LEFT JOIN batches b ON b.batch_id = $4",
+           SELECT g.batch_id, $1[g.i::int], $2[g.i::int], $3[g.i::int], g.lower, g.upper, g.row_count, \
+           g.byte_size, g.content_hash, g.manifest_path, g.fence, 'STAGED' FROM g JOIN c ON c.i = g.i \
+           WHERE c.fence = g.fence AND NOT c.retired AND c.running AND c.paused_reason IS NULL \
+           AND c.cursor = g.lower \
+           ON CONFLICT (batch_id) DO NOTHING RETURNING batch_id) \
+         SELECT c.*, EXISTS (SELECT 1 FROM inserted n WHERE n.batch_id = g.batch_id), b.content_hash, b.state \
+         FROM g LEFT JOIN c ON c.i = g.i LEFT JOIN batches b ON b.batch_id = g.batch_id ORDER BY g.i",
         lock = LOCK_COLUMNS_FROM
     );
-    let row = sqlx::query(sqlx::AssertSqlSafe(statement))
-        .bind(vec![batch.shard.task.as_str()])
-        .bind(vec![batch.shard.epoch as i64])
-        .bind(vec![batch.shard.shard_id as i32])
-        .bind(batch.batch_id)
-        .bind(batch.lower)
-        .bind(batch.upper)
-        .bind(batch.row_count)
-        .bind(batch.byte_size)
-        .bind(batch.content_hash)
-        .bind(batch.manifest_path)
-        .bind(batch.fence as i64)
-        .fetch_one(conn)
+    let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
+        .bind(group.iter().map(|b| b.shard.task.as_str()).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.shard.epoch as i64).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.shard.shard_id as i32).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.batch_id).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.lower.clone()).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.upper.clone()).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.row_count).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.byte_size).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.content_hash).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.manifest_path).collect::<Vec<_>>())
+        .bind(group.iter().map(|b| b.fence as i64).collect::<Vec<_>>())
+        .fetch_all(conn)
         .await?;
-    let inserted: bool = row.get(10);
-    let existing = row
-        .get::<Option<String>, _>(11)
-        .map(|hash| (hash, row.get::<String, _>(12)));
-    let shard_found = row.get::<Option<i64>, _>(0).is_some();
-    Ok(Registered {
-        checkpoint: shard_found.then_some(row),
-        inserted,
-        existing,
-    })
+    Ok(rows
+        .into_iter()
+        .map(|row| {
+            let inserted: bool = row.get(10);
+            let existing = row
+                .get::<Option<String>, _>(11)
+                .map(|hash| (hash, row.get::<String, _>(12)));
+            let shard_found = row.get::<Option<i64>, _>(0).is_some();
+            Registered {
+                checkpoint: shard_found.then_some(row),
+                inserted,
+                existing,
+            }
+        })
+        .collect())
 }
 
 /// One batch of a commit group: `index` names it in the answer.

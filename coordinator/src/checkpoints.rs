@@ -91,16 +91,16 @@ pub struct EpochPlan {
     pub source_table_id: Option<String>,
 }
 
-pub struct RegisterBatch<'a> {
-    pub shard: &'a ShardKey,
+pub struct RegisterBatch {
+    pub shard: ShardKey,
     pub fence: u64,
-    pub batch_id: &'a str,
-    pub lower: &'a Cursor,
-    pub upper: &'a Cursor,
+    pub batch_id: String,
+    pub lower: Cursor,
+    pub upper: Cursor,
     pub row_count: u64,
     pub byte_size: u64,
-    pub content_hash: &'a str,
-    pub manifest_path: &'a str,
+    pub content_hash: String,
+    pub manifest_path: String,
 }
 
 /// A shard's checkpoint row, locked for a change by its current owner.
@@ -292,6 +292,39 @@ fn checked_lock(
         last_batch_id: row.get(4),
         release_requested: row.get(8),
     })
+}
+
+/// A registration's answer from what its statement found; `None`: neither inserted nor
+/// found (see `register_batches`).
+fn judge_registration(batch: &RegisterBatch, registered: batches::Registered) -> Option<Result<(), CoordinatorError>> {
+    let cursor = match checked_lock(registered.checkpoint.as_ref(), &batch.shard, batch.fence) {
+        Ok(locked) => locked.cursor,
+        Err(refused) => return Some(Err(refused)),
+    };
+    if cursor != batch.lower {
+        return Some(Err(CoordinatorError::CheckpointConflict {
+            task: batch.shard.task.clone(),
+            shard: batch.shard.shard_id,
+            message: format!(
+                "batch lower bound {} is not the committed cursor {}",
+                batch.lower.describe(),
+                cursor.describe()
+            ),
+        }));
+    }
+    if registered.inserted {
+        return Some(Ok(()));
+    }
+    let (hash, state) = registered.existing?;
+    // Registered before (a retry whose answer was lost, or a replay): the same content is
+    // the same batch; other content under its id is refused.
+    if hash != batch.content_hash {
+        return Some(Err(CoordinatorError::Batch {
+            batch_id: batch.batch_id.clone(),
+            message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
+        }));
+    }
+    Some(Ok(()))
 }
 
 impl ControlDb {
@@ -836,57 +869,58 @@ impl ControlDb {
         checked_lock(row.as_ref(), shard, fence)
     }
 
-    /// Records a staged batch. Its bounds are fixed from here on (invariant 2): registering the
-    /// same id again with other content is refused.
-    pub async fn register_batch(&self, batch: &RegisterBatch<'_>) -> Result<(), CoordinatorError> {
-        let registration = || Registration {
-            batch_id: batch.batch_id,
-            shard: batch.shard,
-            lower: cursor_json(batch.lower),
-            upper: cursor_json(batch.upper),
-            row_count: batch.row_count as i64,
-            byte_size: batch.byte_size as i64,
-            content_hash: batch.content_hash,
-            manifest_path: batch.manifest_path,
-            fence: batch.fence,
-        };
+    /// Records staged batches of distinct shards, in one statement (issue 20). Their bounds
+    /// are fixed from here on (invariant 2): registering the same id again with other
+    /// content is refused. Each is checked and answered on its own, in order.
+    pub async fn register_batches(
+        &self,
+        group: &[RegisterBatch],
+    ) -> Result<Vec<Result<(), CoordinatorError>>, CoordinatorError> {
+        let mut answers: Vec<Option<Result<(), CoordinatorError>>> = group.iter().map(|_| None).collect();
         let mut conn = self.pool.acquire().await?;
-        // One statement (issue 20); a second only when a registration of the same id raced
-        // this one and committed while it waited for the checkpoint's lock, so that it was
-        // not yet visible to the statement's read of `existing`.
+        // A second statement only for a batch whose registration of the same id raced this
+        // one and committed while it waited for the checkpoint's lock, so that it was not
+        // yet visible to the statement's read of `existing`.
         for _ in 0..2 {
-            let registered = batches::register(&mut conn, registration()).await?;
-            let cursor = checked_lock(registered.checkpoint.as_ref(), batch.shard, batch.fence)?.cursor;
-            if &cursor != batch.lower {
-                return Err(CoordinatorError::CheckpointConflict {
-                    task: batch.shard.task.clone(),
-                    shard: batch.shard.shard_id,
-                    message: format!(
-                        "batch lower bound {} is not the committed cursor {}",
-                        batch.lower.describe(),
-                        cursor.describe()
-                    ),
-                });
+            let pending: Vec<usize> = (0..group.len()).filter(|&i| answers[i].is_none()).collect();
+            if pending.is_empty() {
+                break;
             }
-            if registered.inserted {
-                return Ok(());
-            }
-            if let Some((hash, state)) = registered.existing {
-                // Registered before (a retry whose answer was lost, or a replay): the same
-                // content is the same batch; other content under its id is refused.
-                if hash != batch.content_hash {
-                    return Err(CoordinatorError::Batch {
-                        batch_id: batch.batch_id.to_string(),
-                        message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
-                    });
-                }
-                return Ok(());
+            let registrations: Vec<Registration> = pending
+                .iter()
+                .map(|&i| {
+                    let batch = &group[i];
+                    Registration {
+                        batch_id: &batch.batch_id,
+                        shard: &batch.shard,
+                        lower: cursor_json(&batch.lower),
+                        upper: cursor_json(&batch.upper),
+                        row_count: batch.row_count as i64,
+                        byte_size: batch.byte_size as i64,
+                        content_hash: &batch.content_hash,
+                        manifest_path: &batch.manifest_path,
+                        fence: batch.fence,
+                    }
+                })
+                .collect();
+            let registered = batches::register(&mut conn, &registrations).await?;
+            for (&i, registered) in pending.iter().zip(registered) {
+                answers[i] = judge_registration(&group[i], registered);
             }
         }
-        Err(CoordinatorError::Batch {
-            batch_id: batch.batch_id.to_string(),
-            message: "could not be registered: its checkpoint allows it, yet it was neither inserted nor found".into(),
-        })
+        Ok(group
+            .iter()
+            .zip(answers)
+            .map(|(batch, answer)| {
+                answer.unwrap_or_else(|| {
+                    Err(CoordinatorError::Batch {
+                        batch_id: batch.batch_id.clone(),
+                        message: "could not be registered: its checkpoint allows it, yet it was neither inserted nor found"
+                            .into(),
+                    })
+                })
+            })
+            .collect())
     }
 
     /// The compare-and-swap that advances a shard. Returns the new checkpoint version.

@@ -7,7 +7,7 @@ pub mod capacity;
 pub mod checkpoints;
 mod claim_queue;
 pub mod cli;
-mod commit_groups;
+mod groups;
 pub mod discover;
 pub(crate) mod engines;
 pub mod epochs;

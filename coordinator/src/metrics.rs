@@ -8,7 +8,7 @@ use std::time::Duration;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use tidemark_common::metrics::{CounterFamily, GaugeFamily, labels, register_trace_counters};
+use tidemark_common::metrics::{CounterFamily, GaugeFamily, HistogramFamily, labels, register_trace_counters};
 
 use crate::checkpoints::ControlDb;
 use crate::leader::Leadership;
@@ -30,13 +30,14 @@ pub struct CoordinatorMetrics {
     pub task_paused: GaugeFamily,
     pub shards_unassigned: GaugeFamily,
     pub leader: Gauge,
-    /// Commits per control transaction (`commit_groups`).
-    pub commit_group_size: Histogram,
+    /// Calls per control-database statement or transaction, by RPC (`groups`).
+    pub group_size: HistogramFamily,
     /// A commit's time in the coordinator, from its arrival to its answer: the wait for a
     /// group and the group's transaction.
     pub commit_seconds: Histogram,
-    /// One group's control-database transaction.
-    pub commit_group_seconds: Histogram,
+    /// One group's control-database statement or transaction, by RPC, including its wait
+    /// for a connection.
+    pub group_seconds: HistogramFamily,
     /// How late a task that asked to wake is run (`probe_runtime_delay`).
     pub runtime_delay_seconds: Histogram,
 }
@@ -58,9 +59,9 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     task_paused: GaugeFamily::default(),
     shards_unassigned: GaugeFamily::default(),
     leader: Gauge::default(),
-    commit_group_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
+    group_size: HistogramFamily::new_with_constructor(|| Histogram::new(exponential_buckets(1.0, 2.0, 9))),
     commit_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
-    commit_group_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+    group_seconds: HistogramFamily::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 14))),
     runtime_delay_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
 });
 
@@ -148,9 +149,9 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         m.leader.clone(),
     );
     r.register(
-        "tidemark_commit_group_size",
-        "Commits per control-database transaction (commits that arrive together share one)",
-        m.commit_group_size.clone(),
+        "tidemark_control_group_size",
+        "Calls per control-database statement, by RPC (calls that arrive together share one)",
+        m.group_size.clone(),
     );
     r.register(
         "tidemark_commit_seconds",
@@ -158,9 +159,9 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         m.commit_seconds.clone(),
     );
     r.register(
-        "tidemark_commit_group_seconds",
-        "One commit group's control-database transaction",
-        m.commit_group_seconds.clone(),
+        "tidemark_control_group_seconds",
+        "One group's control-database statement or transaction, by RPC, with its wait for a connection",
+        m.group_seconds.clone(),
     );
     r.register(
         "tidemark_runtime_delay_seconds",

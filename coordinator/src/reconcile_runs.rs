@@ -21,6 +21,15 @@ pub struct ShardReconcile {
     pub keys_missed: u64,
 }
 
+/// What a shard's owner should do beside reading (`ControlDb::shard_works`).
+#[derive(Debug, Default)]
+pub struct ShardWork {
+    /// Give the shard up.
+    pub release: bool,
+    /// A reconciliation part to do.
+    pub reconcile: Option<pb::ReconcileOrder>,
+}
+
 const RUN_SELECT: &str = "SELECT r.id, r.task, r.epoch, r.reason, r.since_micros, \
      (extract(epoch from r.requested_at) * 1000000)::bigint, r.finished_at IS NOT NULL, \
      count(s.shard_id), count(s.shard_id) FILTER (WHERE s.state = 'DONE'), \
@@ -103,37 +112,42 @@ impl ControlDb {
         Ok(id as u64)
     }
 
-    /// What the shard's owner should do beside reading, in one query (every idle shard asks
-    /// once per poll interval): give the shard up (a move, split, merge or drain waits for
-    /// it, or its epoch no longer runs: an idle shard with nothing to commit hears of it only
-    /// here), else the oldest part of a reconciliation run still pending for it, if any.
-    pub async fn shard_work(&self, shard: &ShardKey) -> Result<(bool, Option<pb::ReconcileOrder>), CoordinatorError> {
-        let row = sqlx::query(
-            "SELECT c.release_requested OR NOT EXISTS (SELECT 1 FROM running_epochs e WHERE e.task = c.task \
-             AND e.epoch = c.epoch), o.id, o.since_micros, o.versions_only FROM checkpoints c \
+    /// What each shard's owner should do beside reading, in one query for a group of shards
+    /// (every idle shard asks once per poll interval; issue 20): give the shard up (a move,
+    /// split, merge or drain waits for it, or its epoch no longer runs: an idle shard with
+    /// nothing to commit hears of it only here), else the oldest part of a reconciliation
+    /// run still pending for it, if any. One answer per shard, in order; a shard that is
+    /// not there has nothing to do.
+    pub async fn shard_works(&self, shards: &[ShardKey]) -> Result<Vec<ShardWork>, CoordinatorError> {
+        let rows = sqlx::query(
+            "SELECT g.i, c.release_requested OR NOT EXISTS (SELECT 1 FROM running_epochs e \
+             WHERE e.task = c.task AND e.epoch = c.epoch), o.id, o.since_micros, o.versions_only \
+             FROM unnest($1::text[], $2::bigint[], $3::int[]) WITH ORDINALITY AS g(task, epoch, shard_id, i) \
+             JOIN checkpoints c ON c.task = g.task AND c.epoch = g.epoch AND c.shard_id = g.shard_id \
              LEFT JOIN LATERAL (SELECT r.id, r.since_micros, r.compare = 'versions' AS versions_only \
                FROM reconcile_runs r JOIN reconcile_shards s ON s.run_id = r.id \
                WHERE r.task = c.task AND r.epoch = c.epoch AND s.shard_id = c.shard_id AND s.state = 'PENDING' \
-               ORDER BY r.id LIMIT 1) o ON true \
-             WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3",
+               ORDER BY r.id LIMIT 1) o ON true",
         )
-        .bind(&shard.task)
-        .bind(shard.epoch as i64)
-        .bind(shard.shard_id as i32)
-        .fetch_optional(self.pool())
+        .bind(shards.iter().map(|s| s.task.as_str()).collect::<Vec<_>>())
+        .bind(shards.iter().map(|s| s.epoch as i64).collect::<Vec<_>>())
+        .bind(shards.iter().map(|s| s.shard_id as i32).collect::<Vec<_>>())
+        .fetch_all(self.pool())
         .await?;
-        let Some(row) = row else {
-            return Ok((false, None));
-        };
-        if row.get::<bool, _>(0) {
-            return Ok((true, None));
+        let mut works: Vec<ShardWork> = shards.iter().map(|_| ShardWork::default()).collect();
+        for row in rows {
+            let work = &mut works[row.get::<i64, _>(0) as usize - 1];
+            if row.get::<bool, _>(1) {
+                work.release = true;
+                continue;
+            }
+            work.reconcile = row.get::<Option<i64>, _>(2).map(|id| pb::ReconcileOrder {
+                run_id: id as u64,
+                since_micros: row.get(3),
+                versions_only: row.get(4),
+            });
         }
-        let order = row.get::<Option<i64>, _>(1).map(|id| pb::ReconcileOrder {
-            run_id: id as u64,
-            since_micros: row.get(2),
-            versions_only: row.get(3),
-        });
-        Ok((false, order))
+        Ok(works)
     }
 
     /// Records a shard's result under its owner's fence; the run is finished with its last

@@ -15,7 +15,7 @@ use tidemark_common::contract::{self, Contract};
 use crate::checkpoints::ShardStatusRow;
 use crate::checkpoints::{CommitBatch, ControlDb, EpochRecord, RegisterBatch, ShardKey, parse_request_cursor};
 use crate::claim_queue::ClaimQueue;
-use crate::commit_groups::CommitGroups;
+use crate::groups::{Commits, Groups, Registrations, ShardWorkPolls};
 use crate::engines;
 use crate::error::CoordinatorError;
 use crate::leader::Leadership;
@@ -49,7 +49,9 @@ pub struct CoordinatorService {
     inner: Arc<Coordinator>,
     claims: Arc<ClaimQueue>,
     seen: Arc<WorkersSeen>,
-    commits: Arc<CommitGroups>,
+    commits: Arc<Groups<Commits>>,
+    registrations: Arc<Groups<Registrations>>,
+    shard_work_polls: Arc<Groups<ShardWorkPolls>>,
 }
 
 impl CoordinatorService {
@@ -58,7 +60,9 @@ impl CoordinatorService {
             inner: Arc::new(coordinator),
             claims: Arc::new(ClaimQueue::default()),
             seen: Arc::new(WorkersSeen::default()),
-            commits: Arc::new(CommitGroups::default()),
+            commits: Arc::default(),
+            registrations: Arc::default(),
+            shard_work_polls: Arc::default(),
         }
     }
 
@@ -295,19 +299,21 @@ impl CoordinatorService {
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
         let lower = parse_request_cursor(&request.lower)?;
         let upper = parse_request_cursor(&request.upper)?;
-        self.inner
-            .control
-            .register_batch(&RegisterBatch {
-                shard: &shard,
-                fence: request.fence_token,
-                batch_id: &request.batch_id,
-                lower: &lower,
-                upper: &upper,
-                row_count: request.row_count,
-                byte_size: request.byte_size,
-                content_hash: &request.content_hash,
-                manifest_path: &request.manifest_path,
-            })
+        self.registrations
+            .call(
+                &self.inner.control,
+                RegisterBatch {
+                    shard,
+                    fence: request.fence_token,
+                    batch_id: request.batch_id,
+                    lower,
+                    upper,
+                    row_count: request.row_count,
+                    byte_size: request.byte_size,
+                    content_hash: request.content_hash,
+                    manifest_path: request.manifest_path,
+                },
+            )
             .await?;
         Ok(pb::RegisterBatchResponse {})
     }
@@ -324,7 +330,7 @@ impl CoordinatorService {
         let arrived = std::time::Instant::now();
         let result = self
             .commits
-            .commit(
+            .call(
                 &self.inner.control,
                 CommitBatch {
                     shard: shard.clone(),
@@ -479,8 +485,11 @@ impl WorkerService for CoordinatorService {
         self.inner.leadership.require().await?;
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
-        let (release, reconcile) = self.inner.control.shard_work(&shard).await?;
-        Ok(Response::new(pb::ShardWorkResponse { reconcile, release }))
+        let work = self.shard_work_polls.call(&self.inner.control, shard).await?;
+        Ok(Response::new(pb::ShardWorkResponse {
+            reconcile: work.reconcile,
+            release: work.release,
+        }))
     }
 
     async fn report_reconcile(

@@ -152,14 +152,32 @@ async fn metrics_agree_with_the_ledger() {
     // (idle shards commit empty advances too), and never fewer commits than groups.
     let batches = sample(&metrics, "tidemark_batches_total", "task=\"items\"").expect("batches");
     let commits = sample(&metrics, "tidemark_commit_seconds_count", "").expect("commit histogram");
-    let groups = sample(&metrics, "tidemark_commit_group_seconds_count", "").expect("group histogram");
+    let groups = |call: &str| {
+        let labels = format!("call=\"{call}\"");
+        let groups = sample(&metrics, "tidemark_control_group_seconds_count", &labels);
+        let calls = sample(&metrics, "tidemark_control_group_size_sum", &labels);
+        (groups.unwrap_or(0.0), calls.unwrap_or(0.0))
+    };
+    let (commit_groups, grouped_commits) = groups("commit_batch");
     assert!(
         commits >= batches && batches > 0.0,
         "{commits} commits timed for {batches} batches"
     );
     assert!(
-        groups >= 1.0 && groups <= commits,
-        "{groups} groups for {commits} commits"
+        commit_groups >= 1.0 && commit_groups <= grouped_commits && grouped_commits >= commits,
+        "{commit_groups} groups of {grouped_commits} commits for {commits} commits"
+    );
+    // A commit is grouped before it is timed. Registrations and shard-work polls are grouped
+    // the same way: a registration for every batch (none for an empty advance).
+    let (register_groups, registrations) = groups("register_batch");
+    assert!(
+        registrations >= batches && register_groups >= 1.0 && register_groups <= registrations,
+        "{register_groups} groups of {registrations} registrations for {batches} batches, {commits} commits\n{metrics}"
+    );
+    let (poll_groups, polls) = groups("next_shard_work");
+    assert!(
+        polls >= 1.0 && poll_groups >= 1.0 && poll_groups <= polls,
+        "{poll_groups} groups of {polls} shard-work polls\n{metrics}"
     );
     assert!(
         sample(&metrics, "tidemark_runtime_delay_seconds_count", "").is_some_and(|n| n > 0.0),

@@ -895,6 +895,139 @@ async fn a_commit_group_answers_each_commit_on_its_own() {
     );
 }
 
+/// One registration group, six registrations of six shards in one statement, and one
+/// shard-work poll group: each is checked against its own shard and answered on its own,
+/// exactly as alone. Only the valid new batch is stored; the same id and content again is
+/// the same batch; the fenced one, the wrong lower bound, other content under a known id and
+/// the unknown shard are refused by name and store nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_group_answers_each_registration_on_its_own() {
+    use tidemark_coordinator::checkpoints::{ControlDb, RegisterBatch, ShardKey};
+    use tidemark_coordinator::error::CoordinatorError;
+
+    let mut cluster = Cluster::new("reggroup").await;
+    create_items(&cluster.source, KeyKind::Bigint, 600).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 5,
+            ..TaskSettings::default()
+        })
+        .await;
+    let mut client = worker_client(&cluster).await;
+    let mut owned = Vec::new();
+    for n in 0..5 {
+        owned.push(
+            register_and_acquire(&mut client, &format!("w{n}"))
+                .await
+                .expect("a free shard"),
+        );
+    }
+    owned.sort_by_key(|a| a.shard_id);
+    let [a, b, c, d, e] = &owned[..] else {
+        panic!("five shards")
+    };
+    let shard = |assignment: &pb::ShardAssignment| ShardKey {
+        task: "items".into(),
+        epoch: assignment.epoch,
+        shard_id: assignment.shard_id,
+    };
+    let register = |assignment: &pb::ShardAssignment, batch_id: &str, hash: &str| RegisterBatch {
+        shard: shard(assignment),
+        fence: assignment.fence_token,
+        batch_id: batch_id.into(),
+        lower: Cursor::decode(&assignment.cursor).unwrap(),
+        upper: after_key(assignment.epoch, 10 + assignment.shard_id as i64),
+        row_count: 10,
+        byte_size: 100,
+        content_hash: hash.into(),
+        manifest_path: format!("{batch_id}.manifest"),
+    };
+    let control = ControlDb::connect(&cluster.control.url, None).await.unwrap();
+    // Registered before, alone.
+    let before = control
+        .register_batches(&[register(d, "d-1", "sha256:d"), register(e, "e-1", "sha256:e")])
+        .await
+        .expect("the statement");
+    assert!(before.iter().all(Result::is_ok), "{before:?}");
+
+    let mut fenced = register(b, "b-1", "sha256:b");
+    fenced.fence += 1;
+    let mut wrong_lower = register(c, "c-1", "sha256:c");
+    wrong_lower.lower = after_key(c.epoch, 1);
+    let mut unknown = register(a, "x-1", "sha256:x");
+    unknown.shard.shard_id = 99;
+    let group = vec![
+        register(a, "a-1", "sha256:a"),
+        fenced,
+        wrong_lower,
+        register(d, "d-1", "sha256:d"),
+        register(e, "e-1", "sha256:other"),
+        unknown,
+    ];
+    let answers = control.register_batches(&group).await.expect("the statement");
+    assert_eq!(answers.len(), 6);
+    assert!(answers[0].is_ok(), "{:?}", answers[0]);
+    assert!(
+        matches!(&answers[1], Err(CoordinatorError::Fenced { current, given, .. }) if *current == b.fence_token && *given == b.fence_token + 1),
+        "{:?}",
+        answers[1]
+    );
+    assert!(
+        matches!(&answers[2], Err(CoordinatorError::CheckpointConflict { message, .. }) if message.contains("is not the committed cursor")),
+        "{:?}",
+        answers[2]
+    );
+    assert!(answers[3].is_ok(), "the same id and content is the same batch: {:?}", answers[3]);
+    assert!(
+        matches!(&answers[4], Err(CoordinatorError::Batch { batch_id, message }) if batch_id == "e-1" && message.contains("sha256:e")),
+        "{:?}",
+        answers[4]
+    );
+    assert!(
+        matches!(&answers[5], Err(CoordinatorError::InvalidRequest(message)) if message.contains("no shard 99")),
+        "{:?}",
+        answers[5]
+    );
+    let stored: Vec<(String, i32, String, String)> =
+        sqlx::query_as("SELECT batch_id, shard_id, content_hash, state FROM batches ORDER BY batch_id")
+            .fetch_all(&cluster.control.pool)
+            .await
+            .unwrap();
+    let staged = |assignment: &pb::ShardAssignment, id: &str, hash: &str| {
+        (id.to_string(), assignment.shard_id as i32, hash.to_string(), "STAGED".to_string())
+    };
+    assert_eq!(
+        stored,
+        vec![
+            staged(a, "a-1", "sha256:a"),
+            staged(d, "d-1", "sha256:d"),
+            staged(e, "e-1", "sha256:e"),
+        ]
+    );
+
+    // Shard-work polls, grouped: the shard asked to move gives itself up, the others have
+    // nothing to do, and a shard that is not there neither.
+    sqlx::query("UPDATE checkpoints SET release_requested = true WHERE shard_id = $1")
+        .bind(c.shard_id as i32)
+        .execute(&cluster.control.pool)
+        .await
+        .unwrap();
+    let mut polled: Vec<ShardKey> = owned.iter().map(shard).collect();
+    polled.push(ShardKey {
+        shard_id: 99,
+        ..shard(a)
+    });
+    let works = control.shard_works(&polled).await.expect("the query");
+    let released: Vec<u32> = polled
+        .iter()
+        .zip(&works)
+        .filter(|(_, work)| work.release)
+        .map(|(shard, _)| shard.shard_id)
+        .collect();
+    assert_eq!(released, vec![c.shard_id]);
+    assert!(works.iter().all(|w| w.reconcile.is_none()), "{works:?}");
+}
+
 /// Each shard's (cursor, version, fence), in the order of `owned`.
 async fn checkpoint_rows(cluster: &Cluster, owned: &[pb::ShardAssignment]) -> Vec<(serde_json::Value, i64, i64)> {
     let mut rows = Vec::new();

@@ -610,9 +610,18 @@ fn metric_sum(text: &str, name: &str) -> f64 {
         .sum()
 }
 
-/// A histogram's cumulative buckets, `(le, count)` in order, from a scrape.
-fn buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
-    let prefix = format!("{name}_bucket{{le=\"");
+/// The value of one series, named with its labels as the scrape writes them
+/// (`name{call="commit_batch"}`); 0 when it is not there.
+fn labelled_sum(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// A histogram's cumulative buckets, `(le, count)` in order, from a scrape; `labels` are
+/// the series' own before `le` (`call="commit_batch",`), or empty.
+fn buckets(text: &str, name: &str, labels: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{{labels}le=\"");
     text.lines()
         .filter_map(|line| {
             let rest = line.strip_prefix(&prefix)?;
@@ -799,14 +808,7 @@ async fn main() {
     let box0 = box_ticks();
     let wal0 = wal_stats(&cluster.control.pool).await;
     let (etcd_requests0, _, etcd_cpu0) = etcd_metrics(&cluster.etcd.endpoint).await;
-    let groups = |text: &str| {
-        (
-            metric_sum(text, "tidemark_commit_group_size_count"),
-            metric_sum(text, "tidemark_commit_group_size_sum"),
-        )
-    };
     let metrics0 = scrape(&coordinator_metrics).await;
-    let (groups0, grouped0) = groups(&metrics0);
     shared.measuring.store(true, Ordering::Relaxed);
     let measure = Instant::now();
     tokio::time::sleep(args.duration / 2).await;
@@ -829,7 +831,6 @@ async fn main() {
     let wal1 = wal_stats(&cluster.control.pool).await;
     let (etcd_requests1, etcd_keys, etcd_cpu1) = etcd_metrics(&cluster.etcd.endpoint).await;
     let metrics1 = scrape(&coordinator_metrics).await;
-    let (groups1, grouped1) = groups(&metrics1);
     shared.measuring.store(false, Ordering::Relaxed);
     let latencies = std::mem::take(&mut *shared.latencies.0.lock().await);
     // Reacquisition, waited for past the measured time if need be.
@@ -908,27 +909,32 @@ async fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         (harness1 - harness0) / seconds
     );
-    println!(
-        "commit groups: {:.0} control transactions for {:.0} commits, {:.1} commits per transaction",
-        groups1 - groups0,
-        grouped1 - grouped0,
-        (grouped1 - grouped0) / (groups1 - groups0).max(1.0)
-    );
-    let inside = |name: &str, q: f64| {
-        let (before, after) = (buckets(&metrics0, name), buckets(&metrics1, name));
+    let inside = |name: &str, labels: &str, q: f64| {
+        let (before, after) = (buckets(&metrics0, name, labels), buckets(&metrics1, name, labels));
         bucket_quantile(&before, &after, q).map_or("-".to_string(), |s| format!("{:.1}", s * 1000.0))
     };
+    let moved = |series: &str| labelled_sum(&metrics1, series) - labelled_sum(&metrics0, series);
+    for call in ["register_batch", "commit_batch", "next_shard_work"] {
+        let series = |suffix: &str| format!("tidemark_control_group_size_{suffix}{{call=\"{call}\"}}");
+        let (groups, calls) = (moved(&series("count")), moved(&series("sum")));
+        let labels = format!("call=\"{call}\",");
+        println!(
+            "{call} groups: {groups:.0} control statements for {calls:.0} calls, {:.1} per statement; \
+             a group's statement p50 {} p99 {} ms (bucket upper bounds, with its wait for a connection)",
+            calls / groups.max(1.0),
+            inside("tidemark_control_group_seconds", &labels, 0.5),
+            inside("tidemark_control_group_seconds", &labels, 0.99),
+        );
+    }
     println!(
-        "in the coordinator (ms, bucket upper bounds): commit p50 {} p99 {}; its group's transaction p50 {} p99 {}",
-        inside("tidemark_commit_seconds", 0.5),
-        inside("tidemark_commit_seconds", 0.99),
-        inside("tidemark_commit_group_seconds", 0.5),
-        inside("tidemark_commit_group_seconds", 0.99),
+        "in the coordinator (ms, bucket upper bounds): commit p50 {} p99 {}",
+        inside("tidemark_commit_seconds", "", 0.5),
+        inside("tidemark_commit_seconds", "", 0.99),
     );
     println!(
         "the coordinator's runtime ran woken tasks late by (ms, bucket upper bounds): p50 {} p99 {}",
-        inside("tidemark_runtime_delay_seconds", 0.5),
-        inside("tidemark_runtime_delay_seconds", 0.99),
+        inside("tidemark_runtime_delay_seconds", "", 0.5),
+        inside("tidemark_runtime_delay_seconds", "", 0.99),
     );
     println!(
         "etcd: {:.0} requests/s, {:.0} keys, {:.2} CPU cores",
