@@ -5,27 +5,37 @@
 //! coordinator (BENCHMARKS.md, issue 20). Instead the leader reads both at most once per
 //! [`REFRESH`] (and at least once per [`MAX_AGE`]) and keeps the shards that were free, in the
 //! candidates' order, in a queue; each acquire takes from its front. A claim is atomic in the
-//! lease store, so a stale queue costs a failed claim, never a second owner.
+//! lease store, so a stale queue costs a failed claim, never a second owner. Between reads the
+//! lease store's feed of ended ownerships (`Leases::watch_freed`) puts a vanished worker's
+//! shards in front of the queue as soon as its lease expires, each checked against the control
+//! database (paused, retired, reserved) in one query for all that ended together.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tokio::sync::Mutex;
-
-use crate::checkpoints::{ControlDb, ShardKey};
+use crate::checkpoints::{Candidate, ControlDb, ShardKey};
 use crate::error::CoordinatorError;
 use crate::leases::Leases;
+use crate::metrics::observe_scan;
 
-/// An empty queue is read again after this long (or longer, see `pacing`): how soon a freed
-/// shard is seen.
+/// An empty queue is read again after this long (or longer, see `pacing`): a fallback for
+/// freed shards the lease store's feed missed (it broke), and for tasks resumed elsewhere.
 pub(crate) const REFRESH: Duration = Duration::from_millis(500);
 /// A non-empty queue is read again after this long (or longer, see `pacing`): new shards,
 /// resumed tasks, reservations.
 pub(crate) const MAX_AGE: Duration = Duration::from_secs(5);
+/// How long a broken feed of freed shards waits before it is opened again.
+const FEED_RETRY: Duration = Duration::from_secs(1);
 
 #[derive(Default)]
 pub(crate) struct ClaimQueue {
+    /// Held only to look or change, never across a read: acquires go on while one runs.
     state: Mutex<State>,
+    /// Held by the one acquire that reads (everything, or the freed shards).
+    reading: tokio::sync::Mutex<()>,
+    /// The task following the lease store's freed ownerships (`follow`).
+    follower: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
 #[derive(Default)]
@@ -37,6 +47,18 @@ struct State {
     free: VecDeque<ShardKey>,
     /// Free at the last read and reserved for a worker (a move).
     reserved: HashMap<String, VecDeque<ShardKey>>,
+    /// Shards whose ownership ended since, not yet checked against the control database.
+    freed: Vec<ShardKey>,
+}
+
+/// What an acquire must read before it takes from the queue.
+#[derive(PartialEq)]
+enum Read {
+    Nothing,
+    /// Every candidate and every owner: the queue is old.
+    Everything,
+    /// The candidates among the freed shards.
+    Freed,
 }
 
 impl State {
@@ -52,26 +74,95 @@ impl State {
     fn empty_for(&self, worker: &str) -> bool {
         self.free.is_empty() && self.reserved.get(worker).is_none_or(VecDeque::is_empty)
     }
+
+    fn to_read(&self, worker: &str) -> Read {
+        let age = self.read_at.map(|at| at.elapsed());
+        let (refresh, max_age) = self.ages();
+        if age.is_none_or(|age| age >= max_age || (self.empty_for(worker) && age >= refresh)) {
+            Read::Everything
+        } else if !self.freed.is_empty() {
+            Read::Freed
+        } else {
+            Read::Nothing
+        }
+    }
+
+    /// Puts candidates in front of what the queue holds: freed shards were being worked on.
+    fn offer(&mut self, candidates: Vec<Candidate>) {
+        for candidate in candidates.into_iter().rev() {
+            match candidate.reserved_for {
+                Some(worker) => self.reserved.entry(worker).or_default().push_front(candidate.shard),
+                None => self.free.push_front(candidate.shard),
+            }
+        }
+    }
+}
+
+impl Drop for ClaimQueue {
+    fn drop(&mut self) {
+        if let Some(follower) = self.locked_follower().take() {
+            follower.abort();
+        }
+    }
 }
 
 impl ClaimQueue {
-    /// Forgets the last read: a shard was released or a task resumed, and the next acquire
-    /// should see it at once.
-    pub(crate) async fn invalidate(&self) {
-        self.state.lock().await.read_at = None;
+    fn locked(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// False when the last read, at most [`REFRESH`] old, left nothing for `worker`: the
-    /// acquire answers at once, without a round trip to the lease store or the control
-    /// database (an idle pool asks every second).
-    pub(crate) async fn may_have(&self, worker: &str) -> bool {
-        let state = self.state.lock().await;
-        let fresh = state.read_at.is_some_and(|at| at.elapsed() < state.ages().0);
-        !(fresh && state.empty_for(worker))
+    fn locked_follower(&self) -> MutexGuard<'_, Option<tokio::task::AbortHandle>> {
+        self.follower.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Follows the lease store's ended ownerships for as long as the queue lives, so that a
+    /// shard whose worker vanished is offered as soon as its lease expires, not at the next
+    /// read of every shard (which at 50,000 shards came up to 9 s later, `pacing`). When the
+    /// feed breaks, the next acquire reads everything and the feed is opened again.
+    pub(crate) fn follow(self: &Arc<Self>, leases: Leases) {
+        let queue = Arc::downgrade(self);
+        let follower = tokio::spawn(async move {
+            loop {
+                let ended = match leases.watch_freed().await {
+                    Ok(mut feed) => loop {
+                        match feed.next().await {
+                            Ok(shards) => match queue.upgrade() {
+                                Some(queue) => queue.locked().freed.extend(shards),
+                                None => return,
+                            },
+                            Err(error) => break error,
+                        }
+                    },
+                    Err(error) => error,
+                };
+                tracing::warn!(%ended, "the feed of freed shards broke; reading every shard, then opening it again");
+                match queue.upgrade() {
+                    Some(queue) => queue.invalidate(),
+                    None => return,
+                }
+                tokio::time::sleep(FEED_RETRY).await;
+            }
+        });
+        *self.locked_follower() = Some(follower.abort_handle());
+    }
+
+    /// Forgets the last read: a shard was released or a task resumed, and the next acquire
+    /// should see it at once.
+    pub(crate) fn invalidate(&self) {
+        self.locked().read_at = None;
+    }
+
+    /// False when the last read, at most [`REFRESH`] old, left nothing for `worker` and no
+    /// ownership ended since: the acquire answers at once, without a round trip to the lease
+    /// store or the control database (an idle pool asks every second).
+    pub(crate) fn may_have(&self, worker: &str) -> bool {
+        let state = self.locked();
+        !(state.to_read(worker) == Read::Nothing && state.empty_for(worker))
     }
 
     /// The next shard `worker` should try to claim, or `None` when none was free at the last
-    /// read (which is at most [`REFRESH`] old then).
+    /// read (which is at most [`REFRESH`] old then), or the queue is empty while another
+    /// acquire reads it again (this one's worker asks again soon).
     pub(crate) async fn next(
         &self,
         worker: &str,
@@ -79,35 +170,62 @@ impl ClaimQueue {
         control: &ControlDb,
         leases: &Leases,
     ) -> Result<Option<ShardKey>, CoordinatorError> {
-        let mut state = self.state.lock().await;
-        let age = state.read_at.map(|at| at.elapsed());
-        let (refresh, max_age) = state.ages();
-        let stale = age.is_none_or(|age| age >= max_age || (state.empty_for(worker) && age >= refresh));
-        if stale {
-            let started = Instant::now();
-            let candidates = control.shard_candidates(tasks).await?;
-            let owners = leases.owners().await?;
-            let mut free = VecDeque::new();
-            let mut reserved: HashMap<String, VecDeque<ShardKey>> = HashMap::new();
-            for candidate in candidates {
-                if owners.contains_key(&candidate.shard) {
-                    continue;
-                }
-                match candidate.reserved_for {
-                    Some(for_worker) => reserved.entry(for_worker).or_default().push_back(candidate.shard),
-                    None => free.push_back(candidate.shard),
+        if self.locked().to_read(worker) != Read::Nothing
+            && let Ok(_reading) = self.reading.try_lock()
+        {
+            // Asked again: an acquire that read just before may have made it unnecessary.
+            let read = self.locked().to_read(worker);
+            match read {
+                Read::Nothing => {}
+                Read::Everything => self.read_everything(tasks, control, leases).await?,
+                Read::Freed => {
+                    let started = Instant::now();
+                    let freed = std::mem::take(&mut self.locked().freed);
+                    let candidates = match control.shard_candidates_among(tasks, &freed).await {
+                        Ok(candidates) => candidates,
+                        Err(error) => {
+                            self.locked().freed.extend(freed);
+                            return Err(error);
+                        }
+                    };
+                    observe_scan("freed", started.elapsed());
+                    self.locked().offer(candidates);
                 }
             }
-            *state = State {
-                read_at: Some(Instant::now()),
-                took: started.elapsed(),
-                free,
-                reserved,
-            };
         }
+        let mut state = self.locked();
         let state = &mut *state;
         let mine = state.reserved.get_mut(worker).and_then(VecDeque::pop_front);
         // Each shard is handed out once per read, so concurrent acquires try different ones.
         Ok(mine.or_else(|| state.free.pop_front()))
+    }
+
+    /// Replaces the queue by every candidate no one owns. Ownerships that end during the
+    /// read stay in `freed`, to be checked by the next acquire.
+    async fn read_everything(
+        &self,
+        tasks: &[String],
+        control: &ControlDb,
+        leases: &Leases,
+    ) -> Result<(), CoordinatorError> {
+        let started = Instant::now();
+        self.locked().freed.clear();
+        let candidates = control.shard_candidates(tasks).await?;
+        let owners = leases.owners().await?;
+        let mut fresh = State::default();
+        fresh.offer(
+            candidates
+                .into_iter()
+                .filter(|candidate| !owners.contains_key(&candidate.shard))
+                .collect(),
+        );
+        let took = started.elapsed();
+        observe_scan("claim_queue", took);
+        let mut state = self.locked();
+        state.read_at = Some(Instant::now());
+        state.took = took;
+        state.free = fresh.free;
+        state.reserved = fresh.reserved;
+        Ok(())
     }
 }

@@ -20,9 +20,9 @@ use std::sync::{Arc, OnceLock};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 use crate::checkpoints::{CommitBatch, Committed, ControlDb, RegisterBatch, ShardKey};
-use crate::reconcile_runs::ShardWork;
 use crate::error::CoordinatorError;
 use crate::metrics::METRICS;
+use crate::reconcile_runs::ShardWork;
 use tidemark_common::metrics::labels;
 
 /// The most calls in one group.
@@ -115,7 +115,10 @@ fn rounds<W: Work, T>(taken: Vec<(W::Item, T)>) -> Vec<Vec<(W::Item, T)>> {
         // After the last round that holds this shard: a later call of a shard never goes
         // before an earlier one.
         let shard = W::shard(&item);
-        let after = shards.iter().rposition(|held| held.contains(shard)).map_or(0, |r| r + 1);
+        let after = shards
+            .iter()
+            .rposition(|held| held.contains(shard))
+            .map_or(0, |r| r + 1);
         if after == rounds.len() {
             rounds.push(Vec::new());
             shards.push(HashSet::new());

@@ -40,6 +40,9 @@ pub struct CoordinatorMetrics {
     pub group_seconds: HistogramFamily,
     /// How late a task that asked to wake is run (`probe_runtime_delay`).
     pub runtime_delay_seconds: Histogram,
+    /// One read of shards, by `scan`: `claim_queue` and `gauges` read every shard and their
+    /// pace follows their length (`pacing`); `freed` reads the shards whose owners just ended.
+    pub scan_seconds: HistogramFamily,
 }
 
 pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorMetrics {
@@ -63,7 +66,16 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     commit_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
     group_seconds: HistogramFamily::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 14))),
     runtime_delay_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+    scan_seconds: HistogramFamily::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 16))),
 });
+
+/// Records one periodic read of every shard (`scan_seconds`).
+pub fn observe_scan(scan: &str, took: Duration) {
+    METRICS
+        .scan_seconds
+        .get_or_create(&labels(&[("scan", scan)]))
+        .observe(took.as_secs_f64());
+}
 
 pub fn count(family: &CounterFamily, pairs: &[(&str, &str)], by: u64) {
     family.get_or_create(&labels(pairs)).inc_by(by);
@@ -168,6 +180,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "How much later than asked a sleeping task is run: time every RPC and statement waits for a core",
         m.runtime_delay_seconds.clone(),
     );
+    r.register(
+        "tidemark_shard_scan_seconds",
+        "One read of shards, by scan (claim_queue: every free shard acquires take from; freed: the shards whose owners just ended; gauges)",
+        m.scan_seconds.clone(),
+    );
     let refresh = register_trace_counters(&mut r);
     (Arc::new(r), refresh)
 }
@@ -199,6 +216,7 @@ pub async fn refresh_gauges(control: ControlDb, leadership: Leadership) {
         let started = std::time::Instant::now();
         let tasks = control.status().await;
         took = started.elapsed();
+        observe_scan("gauges", took);
         let Ok(tasks) = tasks else { continue };
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -15,9 +15,9 @@ use tidemark_common::contract::{self, Contract};
 use crate::checkpoints::ShardStatusRow;
 use crate::checkpoints::{CommitBatch, ControlDb, EpochRecord, RegisterBatch, ShardKey, parse_request_cursor};
 use crate::claim_queue::ClaimQueue;
-use crate::groups::{Commits, Groups, Registrations, ShardWorkPolls};
 use crate::engines;
 use crate::error::CoordinatorError;
+use crate::groups::{Commits, Groups, Registrations, ShardWorkPolls};
 use crate::leader::Leadership;
 use crate::leases::Leases;
 use crate::metrics::{METRICS, count};
@@ -56,9 +56,11 @@ pub struct CoordinatorService {
 
 impl CoordinatorService {
     pub fn new(coordinator: Coordinator) -> CoordinatorService {
+        let claims = Arc::new(ClaimQueue::default());
+        claims.follow(coordinator.leases.clone());
         CoordinatorService {
             inner: Arc::new(coordinator),
-            claims: Arc::new(ClaimQueue::default()),
+            claims,
             seen: Arc::new(WorkersSeen::default()),
             commits: Arc::default(),
             registrations: Arc::default(),
@@ -175,7 +177,7 @@ impl CoordinatorService {
 
     async fn acquire(&self, worker_id: &str, lease_id: i64) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
         let coordinator = &self.inner;
-        if !self.claims.may_have(worker_id).await {
+        if !self.claims.may_have(worker_id) {
             return Ok(None);
         }
         if !coordinator.leases.lease_alive(lease_id).await? {
@@ -554,7 +556,7 @@ impl WorkerService for CoordinatorService {
             .control
             .release(&shard, request.fence_token, &request.worker_id)
             .await?;
-        self.claims.invalidate().await;
+        self.claims.invalidate();
         tracing::info!(task = %shard.task, shard = shard.shard_id, worker = %request.worker_id, "shard released");
         Ok(Response::new(pb::ReleaseShardResponse {}))
     }
@@ -996,7 +998,7 @@ impl AdminService for CoordinatorService {
             .into());
         }
         self.inner.control.resume_task(&request.task).await?;
-        self.claims.invalidate().await;
+        self.claims.invalidate();
         tracing::info!(task = %request.task, "task resumed");
         Ok(Response::new(pb::TaskResponse {}))
     }

@@ -2,12 +2,13 @@
 //! and the coordinator's in-process leases (`tidemark sync`). A shard is claimed only when
 //! free; every claim's fence token is larger than every earlier one; a release takes effect
 //! only under the fence it was claimed with; a lease that is not kept alive expires within its
-//! TTL and frees what it owned, while one kept alive keeps it.
+//! TTL and frees what it owned, while one kept alive keeps it; and every ownership that ends,
+//! by release or expiry, is reported by the freed feed (`watch_freed`), and no other.
 
 use std::time::Duration;
 
 use tidemark_coordinator::checkpoints::ShardKey;
-use tidemark_coordinator::leases::Leases;
+use tidemark_coordinator::leases::{Freed, Leases};
 use tidemark_tests::Etcd;
 
 const TTL: Duration = Duration::from_secs(2);
@@ -20,7 +21,21 @@ fn shard(id: u32) -> ShardKey {
     }
 }
 
+/// What the feed reports within `within`, waiting no longer once every `expected` shard came.
+async fn freed_within(feed: &mut Freed, expected: &[ShardKey], within: Duration) -> Vec<ShardKey> {
+    let mut seen = Vec::new();
+    let deadline = tokio::time::Instant::now() + within;
+    while !expected.iter().all(|shard| seen.contains(shard)) {
+        match tokio::time::timeout_at(deadline, feed.next()).await {
+            Ok(shards) => seen.extend(shards.unwrap()),
+            Err(_) => break,
+        }
+    }
+    seen
+}
+
 async fn lease_rules(leases: Leases, fence_floor: u64) {
+    let mut freed = leases.watch_freed().await.unwrap();
     let a = leases.grant_worker_lease().await.unwrap();
     let b = leases.grant_worker_lease().await.unwrap();
     assert_ne!(a, b);
@@ -48,6 +63,8 @@ async fn lease_rules(leases: Leases, fence_floor: u64) {
     assert!(leases.owners().await.unwrap().contains_key(&shard(0)));
     leases.release(&shard(0), first).await.unwrap();
     assert!(!leases.owners().await.unwrap().contains_key(&shard(0)));
+    let released = freed_within(&mut freed, &[shard(0)], TTL).await;
+    assert_eq!(released, vec![shard(0)], "the feed after one release (and a stale one)");
     let second = leases.try_claim(&shard(0), "b", b).await.unwrap().expect("freed");
     assert!(second > other);
 
@@ -78,6 +95,9 @@ async fn lease_rules(leases: Leases, fence_floor: u64) {
         "{owners:?}"
     );
     assert_eq!(owners.get(&shard(2)), Some(&("a".to_string(), claimed_by_a)));
+    let mut expired = freed_within(&mut freed, &[shard(0), shard(1)], TTL).await;
+    expired.sort_by_key(|shard| shard.shard_id);
+    assert_eq!(expired, vec![shard(0), shard(1)], "the feed after b's lease expired");
     let third = leases
         .try_claim(&shard(0), "a", a)
         .await

@@ -977,7 +977,11 @@ async fn a_registration_group_answers_each_registration_on_its_own() {
         "{:?}",
         answers[2]
     );
-    assert!(answers[3].is_ok(), "the same id and content is the same batch: {:?}", answers[3]);
+    assert!(
+        answers[3].is_ok(),
+        "the same id and content is the same batch: {:?}",
+        answers[3]
+    );
     assert!(
         matches!(&answers[4], Err(CoordinatorError::Batch { batch_id, message }) if batch_id == "e-1" && message.contains("sha256:e")),
         "{:?}",
@@ -994,7 +998,12 @@ async fn a_registration_group_answers_each_registration_on_its_own() {
             .await
             .unwrap();
     let staged = |assignment: &pb::ShardAssignment, id: &str, hash: &str| {
-        (id.to_string(), assignment.shard_id as i32, hash.to_string(), "STAGED".to_string())
+        (
+            id.to_string(),
+            assignment.shard_id as i32,
+            hash.to_string(),
+            "STAGED".to_string(),
+        )
     };
     assert_eq!(
         stored,

@@ -619,13 +619,20 @@ fn labelled_sum(text: &str, series: &str) -> f64 {
 }
 
 /// A histogram's cumulative buckets, `(le, count)` in order, from a scrape; `labels` are
-/// the series' own before `le` (`call="commit_batch",`), or empty.
+/// the series' own (`call="commit_batch"`), or empty. prometheus-client writes `le` first:
+/// `name_bucket{le="0.001",call="commit_batch"} 3`.
 fn buckets(text: &str, name: &str, labels: &str) -> Vec<(f64, f64)> {
-    let prefix = format!("{name}_bucket{{{labels}le=\"");
+    let prefix = format!("{name}_bucket{{le=\"");
+    let tail = if labels.is_empty() {
+        "}".to_string()
+    } else {
+        format!(",{labels}}}")
+    };
     text.lines()
         .filter_map(|line| {
             let rest = line.strip_prefix(&prefix)?;
-            let (le, count) = rest.split_once("\"} ")?;
+            let (le, rest) = rest.split_once('"')?;
+            let count = rest.strip_prefix(tail.as_str())?;
             let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
             Some((le, count.trim().parse().ok()?))
         })
@@ -917,7 +924,7 @@ async fn main() {
     for call in ["register_batch", "commit_batch", "next_shard_work"] {
         let series = |suffix: &str| format!("tidemark_control_group_size_{suffix}{{call=\"{call}\"}}");
         let (groups, calls) = (moved(&series("count")), moved(&series("sum")));
-        let labels = format!("call=\"{call}\",");
+        let labels = format!("call=\"{call}\"");
         println!(
             "{call} groups: {groups:.0} control statements for {calls:.0} calls, {:.1} per statement; \
              a group's statement p50 {} p99 {} ms (bucket upper bounds, with its wait for a connection)",
@@ -931,6 +938,15 @@ async fn main() {
         inside("tidemark_commit_seconds", "", 0.5),
         inside("tidemark_commit_seconds", "", 0.99),
     );
+    for scan in ["claim_queue", "freed", "gauges"] {
+        let count = moved(&format!("tidemark_shard_scan_seconds_count{{scan=\"{scan}\"}}"));
+        let labels = format!("scan=\"{scan}\"");
+        println!(
+            "shard reads `{scan}`: {count:.0}, p50 {} p99 {} ms (bucket upper bounds)",
+            inside("tidemark_shard_scan_seconds", &labels, 0.5),
+            inside("tidemark_shard_scan_seconds", &labels, 0.99),
+        );
+    }
     println!(
         "the coordinator's runtime ran woken tasks late by (ms, bucket upper bounds): p50 {} p99 {}",
         inside("tidemark_runtime_delay_seconds", "", 0.5),

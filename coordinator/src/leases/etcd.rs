@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
+    Txn, TxnOp, WatchFilterType, WatchOptions, WatchStream,
 };
 use tidemark_common::tls::ClientTls;
 
@@ -232,33 +233,77 @@ impl EtcdLeases {
         Ok(())
     }
 
+    /// The shard an ownership key names, or `None` for a key that is not one.
+    fn shard_of(&self, key: &str) -> Option<ShardKey> {
+        let rest = key.strip_prefix(&self.owners_prefix())?;
+        let parts: Vec<&str> = rest.split('/').collect();
+        let [task, epoch, shard_id] = parts.as_slice() else {
+            return None;
+        };
+        Some(ShardKey {
+            task: task.to_string(),
+            epoch: epoch.parse().ok()?,
+            shard_id: shard_id.parse().ok()?,
+        })
+    }
+
     pub(crate) async fn owners(&self) -> Result<HashMap<ShardKey, (String, u64)>, CoordinatorError> {
-        let prefix = self.owners_prefix();
         let response = self
             .client
             .clone()
-            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
+            .get(self.owners_prefix(), Some(GetOptions::new().with_prefix()))
             .await?;
         let mut owners = HashMap::new();
         for kv in response.kvs() {
-            let Ok(key) = kv.key_str() else { continue };
-            let parts: Vec<&str> = key[prefix.len()..].split('/').collect();
-            let [task, epoch, shard_id] = parts.as_slice() else {
-                continue;
-            };
-            let (Ok(epoch), Ok(shard_id)) = (epoch.parse(), shard_id.parse()) else {
+            let Some(shard) = kv.key_str().ok().and_then(|key| self.shard_of(key)) else {
                 continue;
             };
             let worker = kv.value_str().unwrap_or_default().to_string();
-            owners.insert(
-                ShardKey {
-                    task: task.to_string(),
-                    epoch,
-                    shard_id,
-                },
-                (worker, kv.create_revision() as u64),
-            );
+            owners.insert(shard, (worker, kv.create_revision() as u64));
         }
         Ok(owners)
+    }
+
+    /// A watch on the ownership keys' deletions: a release, or the expiry of the lease
+    /// they were attached to.
+    pub(crate) async fn watch_freed(&self) -> Result<EtcdFreed, CoordinatorError> {
+        let options = WatchOptions::new().with_prefix().with_filters([WatchFilterType::NoPut]);
+        let stream = self.client.clone().watch(self.owners_prefix(), Some(options)).await?;
+        Ok(EtcdFreed {
+            leases: self.clone(),
+            stream,
+        })
+    }
+}
+
+pub(crate) struct EtcdFreed {
+    leases: EtcdLeases,
+    stream: WatchStream,
+}
+
+impl EtcdFreed {
+    /// The shards freed by the next deletions etcd reports; an error when the watch ended
+    /// (etcd restarted, the watch was compacted or cancelled): deletions may have been missed.
+    pub(crate) async fn next(&mut self) -> Result<Vec<ShardKey>, CoordinatorError> {
+        loop {
+            let response = self.stream.message().await?.ok_or_else(|| {
+                CoordinatorError::Etcd(etcd_client::Error::WatchError("etcd closed the watch".into()))
+            })?;
+            if response.canceled() {
+                return Err(CoordinatorError::Etcd(etcd_client::Error::WatchError(format!(
+                    "etcd cancelled the watch: {}",
+                    response.cancel_reason()
+                ))));
+            }
+            let freed: Vec<ShardKey> = response
+                .events()
+                .iter()
+                .filter(|event| event.event_type() == EventType::Delete)
+                .filter_map(|event| self.leases.shard_of(event.kv()?.key_str().ok()?))
+                .collect();
+            if !freed.is_empty() {
+                return Ok(freed);
+            }
+        }
     }
 }

@@ -9,6 +9,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
 use crate::checkpoints::ShardKey;
 
 pub(crate) struct LocalLeases {
@@ -23,6 +25,8 @@ struct State {
     leases: HashMap<i64, Instant>,
     /// Shard → (worker, lease, fence).
     owners: HashMap<ShardKey, (String, i64, u64)>,
+    /// Who hears of ended ownerships (`watch_freed`).
+    watchers: Vec<UnboundedSender<ShardKey>>,
 }
 
 impl State {
@@ -30,7 +34,22 @@ impl State {
     fn expire(&mut self, now: Instant) {
         self.leases.retain(|_, expires| *expires > now);
         let leases = &self.leases;
-        self.owners.retain(|_, (_, lease, _)| leases.contains_key(lease));
+        let mut ended = Vec::new();
+        self.owners.retain(|shard, (_, lease, _)| {
+            let alive = leases.contains_key(lease);
+            if !alive {
+                ended.push(shard.clone());
+            }
+            alive
+        });
+        for shard in ended {
+            self.freed(shard);
+        }
+    }
+
+    /// Tells the watchers that `shard` has no owner any more.
+    fn freed(&mut self, shard: ShardKey) {
+        self.watchers.retain(|watcher| watcher.send(shard.clone()).is_ok());
     }
 }
 
@@ -43,6 +62,7 @@ impl LocalLeases {
                 last_fence: fence_floor,
                 leases: HashMap::new(),
                 owners: HashMap::new(),
+                watchers: Vec::new(),
             }),
         }
     }
@@ -91,6 +111,7 @@ impl LocalLeases {
         let mut state = self.locked();
         if state.owners.get(shard).is_some_and(|(_, _, held)| *held == fence) {
             state.owners.remove(shard);
+            state.freed(shard.clone());
         }
     }
 
@@ -100,5 +121,13 @@ impl LocalLeases {
             .iter()
             .map(|(shard, (worker, _, fence))| (shard.clone(), (worker.clone(), *fence)))
             .collect()
+    }
+
+    /// Every ownership that ends from now on (a release, or its lease's expiry, which is
+    /// noticed at the next call of any kind: a heartbeat, a claim, a read of the owners).
+    pub(crate) fn watch_freed(&self) -> UnboundedReceiver<ShardKey> {
+        let (sender, receiver) = unbounded_channel();
+        self.locked().watchers.push(sender);
+        receiver
     }
 }

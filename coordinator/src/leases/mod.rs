@@ -22,8 +22,10 @@ use tidemark_common::tls::ClientTls;
 use crate::checkpoints::ShardKey;
 use crate::error::CoordinatorError;
 
+use etcd::EtcdFreed;
 pub(crate) use etcd::EtcdLeases;
 use local::LocalLeases;
+use tokio::sync::mpsc::UnboundedReceiver;
 
 #[derive(Clone)]
 pub struct Leases {
@@ -122,6 +124,45 @@ impl Leases {
         match &self.store {
             Store::Etcd(etcd) => etcd.owners().await,
             Store::Local(local) => Ok(local.owners()),
+        }
+    }
+
+    /// Every ownership that ends from now on, as it ends: released, or expired with its
+    /// worker's lease. The claim queue offers such a shard at once instead of at its next
+    /// read of every shard.
+    pub async fn watch_freed(&self) -> Result<Freed, CoordinatorError> {
+        Ok(Freed(match &self.store {
+            Store::Etcd(etcd) => Feed::Etcd(Box::new(etcd.watch_freed().await?)),
+            Store::Local(local) => Feed::Local(local.watch_freed()),
+        }))
+    }
+}
+
+/// Ownerships as they end ([`Leases::watch_freed`]).
+pub struct Freed(Feed);
+
+enum Feed {
+    Etcd(Box<EtcdFreed>),
+    Local(UnboundedReceiver<ShardKey>),
+}
+
+impl Freed {
+    /// The next shards whose ownership ended. An error when the feed broke (etcd restarted,
+    /// the watch was cancelled): ends may have been missed, and the caller reads everything.
+    pub async fn next(&mut self) -> Result<Vec<ShardKey>, CoordinatorError> {
+        match &mut self.0 {
+            Feed::Etcd(etcd) => etcd.next().await,
+            Feed::Local(local) => {
+                let first = local
+                    .recv()
+                    .await
+                    .ok_or_else(|| CoordinatorError::InvalidRequest("the in-process lease store is gone".into()))?;
+                let mut freed = vec![first];
+                while let Ok(shard) = local.try_recv() {
+                    freed.push(shard);
+                }
+                Ok(freed)
+            }
         }
     }
 }
