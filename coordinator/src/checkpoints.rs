@@ -91,6 +91,21 @@ pub struct EpochPlan {
     pub source_table_id: Option<String>,
 }
 
+/// A shard claimed in the lease store, to be recorded under its new fence (`claim_shards`).
+pub struct Claim {
+    pub shard: ShardKey,
+    pub fence: u64,
+    pub owner: String,
+}
+
+/// A claim recorded: the shard's checkpoint, its pending batch, its epoch (`None`: it no
+/// longer runs).
+pub struct Claimed {
+    pub record: ShardRecord,
+    pub pending: Option<PendingBatchRecord>,
+    pub epoch: Option<EpochRecord>,
+}
+
 pub struct RegisterBatch {
     pub shard: ShardKey,
     pub fence: u64,
@@ -230,6 +245,20 @@ fn parse_cursor(text: &str) -> Result<Cursor, CoordinatorError> {
 
 fn cursor_json(cursor: &Cursor) -> serde_json::Value {
     serde_json::to_value(cursor).expect("cursor serializes")
+}
+
+/// An epoch's columns from `from` on: epoch, schema_id, columns, h0_max_key,
+/// incremental_start, cursor_zone, source_table_id.
+fn epoch_from(row: &sqlx::postgres::PgRow, from: usize) -> Result<EpochRecord, CoordinatorError> {
+    Ok(EpochRecord {
+        epoch: row.get::<i64, _>(from) as u64,
+        schema_id: row.get(from + 1),
+        columns: row.get(from + 2),
+        h0_max_key: row.get(from + 3),
+        incremental_start: decode_cursor(row.get(from + 4))?,
+        cursor_zone: row.get(from + 5),
+        source_table_id: row.get(from + 6),
+    })
 }
 
 /// Locks the checkpoint rows of the shards given as three arrays (task, epoch, shard id), in
@@ -413,53 +442,26 @@ impl ControlDb {
 
     /// The task's live epoch.
     pub async fn current_epoch(&self, task: &str) -> Result<Option<EpochRecord>, CoordinatorError> {
-        self.epoch_where(task, "e.epoch = t.current_epoch", None).await
+        self.epoch_where(task, "e.epoch = t.current_epoch").await
     }
 
     /// The epoch whose contract the source checks watch: the one building beside the live
     /// one (it will be live), else the live one.
     pub async fn watched_epoch(&self, task: &str) -> Result<Option<EpochRecord>, CoordinatorError> {
-        self.epoch_where(task, "e.epoch = coalesce(t.building_epoch, t.current_epoch)", None)
+        self.epoch_where(task, "e.epoch = coalesce(t.building_epoch, t.current_epoch)")
             .await
     }
 
-    /// One epoch of the task, if it runs (live and not frozen, or building).
-    pub async fn epoch_record(&self, task: &str, epoch: u64) -> Result<Option<EpochRecord>, CoordinatorError> {
-        self.epoch_where(
-            task,
-            "e.epoch = $2 AND EXISTS (SELECT 1 FROM running_epochs r WHERE r.task = e.task AND r.epoch = e.epoch)",
-            Some(epoch),
-        )
-        .await
-    }
-
-    async fn epoch_where(
-        &self,
-        task: &str,
-        condition: &str,
-        epoch: Option<u64>,
-    ) -> Result<Option<EpochRecord>, CoordinatorError> {
+    async fn epoch_where(&self, task: &str, condition: &str) -> Result<Option<EpochRecord>, CoordinatorError> {
         let query = format!(
             "SELECT e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start, e.cursor_zone, \
              e.source_table_id FROM tasks t JOIN epochs e ON e.task = t.name AND {condition} WHERE t.name = $1"
         );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(query)).bind(task);
-        if let Some(epoch) = epoch {
-            query = query.bind(epoch as i64);
-        }
-        let row = query.fetch_optional(&self.pool).await?;
-        row.map(|row| {
-            Ok(EpochRecord {
-                epoch: row.get::<i64, _>(0) as u64,
-                schema_id: row.get(1),
-                columns: row.get(2),
-                h0_max_key: row.get(3),
-                incremental_start: decode_cursor(row.get(4))?,
-                cursor_zone: row.get(5),
-                source_table_id: row.get(6),
-            })
-        })
-        .transpose()
+        let row = sqlx::query(sqlx::AssertSqlSafe(query))
+            .bind(task)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|row| epoch_from(&row, 0)).transpose()
     }
 
     /// The planner's row estimate for an epoch.
@@ -821,66 +823,77 @@ impl ControlDb {
             .collect())
     }
 
-    /// Records a new owner under a fence token that must be larger than every earlier one.
-    pub async fn claim(
-        &self,
-        shard: &ShardKey,
-        fence: u64,
-        owner: &str,
-    ) -> Result<Option<ShardRecord>, CoordinatorError> {
-        let row = sqlx::query(
-            "UPDATE checkpoints SET fence = $4, owner = $5, updated_at = now(), acquired_at = now(), \
-             release_requested = (pending_op IS NOT NULL), reserved_for = NULL, reserved_until = NULL \
-             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence < $4 AND NOT retired \
-             RETURNING range, cursor, version, fence",
+    /// Records the new owners of a group of claimed shards (distinct), each under a fence token
+    /// that must be larger than every earlier one, in one statement: one answer per claim, in
+    /// order, `None` where the fence did not increase or the shard is retired or gone. Each
+    /// claimed shard comes with what its assignment needs: the staged, uncommitted batch that
+    /// starts at its committed cursor (if any) and its epoch, if it still runs.
+    pub async fn claim_shards(&self, group: &[Claim]) -> Result<Vec<Option<Claimed>>, CoordinatorError> {
+        // The rows are locked in key order first, as every group does (`LOCK_COLUMNS_FROM`), so
+        // that two groups never wait on each other in a cycle.
+        let rows = sqlx::query(
+            "WITH g AS MATERIALIZED (SELECT * FROM unnest($1::text[], $2::bigint[], $3::int[], $4::bigint[], $5::text[]) \
+               WITH ORDINALITY AS g(task, epoch, shard_id, fence, owner, i)), \
+             l AS MATERIALIZED (SELECT g.i FROM g JOIN checkpoints c \
+               ON c.task = g.task AND c.epoch = g.epoch AND c.shard_id = g.shard_id \
+               ORDER BY c.task, c.epoch, c.shard_id FOR UPDATE OF c), \
+             claimed AS (\
+               UPDATE checkpoints c SET fence = g.fence, owner = g.owner, updated_at = now(), acquired_at = now(), \
+               release_requested = (c.pending_op IS NOT NULL), reserved_for = NULL, reserved_until = NULL \
+               FROM g JOIN l ON l.i = g.i \
+               WHERE c.task = g.task AND c.epoch = g.epoch AND c.shard_id = g.shard_id AND c.fence < g.fence \
+               AND NOT c.retired \
+               RETURNING g.i, c.task, c.epoch, c.shard_id, c.range, c.cursor, c.version, c.fence) \
+             SELECT cl.i, cl.range, cl.cursor, cl.version, cl.fence, \
+               p.batch_id, p.manifest_path, p.lower, p.upper, p.row_count, p.content_hash, \
+               e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start, e.cursor_zone, e.source_table_id \
+             FROM claimed cl \
+             LEFT JOIN LATERAL (SELECT b.batch_id, b.manifest_path, b.lower, b.upper, b.row_count, b.content_hash \
+               FROM batches b WHERE b.task = cl.task AND b.epoch = cl.epoch AND b.shard_id = cl.shard_id \
+               AND b.state = 'STAGED' AND b.lower = cl.cursor ORDER BY b.staged_at LIMIT 1) p ON true \
+             LEFT JOIN epochs e ON e.task = cl.task AND e.epoch = cl.epoch \
+               AND EXISTS (SELECT 1 FROM running_epochs r WHERE r.task = e.task AND r.epoch = e.epoch)",
         )
-        .bind(&shard.task)
-        .bind(shard.epoch as i64)
-        .bind(shard.shard_id as i32)
-        .bind(fence as i64)
-        .bind(owner)
-        .fetch_optional(&self.pool)
+        .bind(group.iter().map(|c| c.shard.task.as_str()).collect::<Vec<_>>())
+        .bind(group.iter().map(|c| c.shard.epoch as i64).collect::<Vec<_>>())
+        .bind(group.iter().map(|c| c.shard.shard_id as i32).collect::<Vec<_>>())
+        .bind(group.iter().map(|c| c.fence as i64).collect::<Vec<_>>())
+        .bind(group.iter().map(|c| c.owner.as_str()).collect::<Vec<_>>())
+        .fetch_all(&self.pool)
         .await?;
-        row.map(|row| {
-            Ok(ShardRecord {
-                key: shard.clone(),
-                range: row.get::<serde_json::Value, _>(0).to_string(),
-                cursor: decode_cursor(row.get(1))?,
-                version: row.get::<i64, _>(2) as u64,
-                fence: row.get::<i64, _>(3) as u64,
-            })
-        })
-        .transpose()
-    }
-
-    /// The staged, uncommitted batch that starts at the shard's committed cursor, if any.
-    pub async fn pending_batch(
-        &self,
-        shard: &ShardKey,
-        cursor: &Cursor,
-    ) -> Result<Option<PendingBatchRecord>, CoordinatorError> {
-        let row = sqlx::query(
-            "SELECT batch_id, manifest_path, lower, upper, row_count, content_hash FROM batches \
-             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND state = 'STAGED' AND lower = $4 \
-             ORDER BY staged_at LIMIT 1",
-        )
-        .bind(&shard.task)
-        .bind(shard.epoch as i64)
-        .bind(shard.shard_id as i32)
-        .bind(cursor_json(cursor))
-        .fetch_optional(&self.pool)
-        .await?;
-        row.map(|row| {
-            Ok(PendingBatchRecord {
-                batch_id: row.get(0),
-                manifest_path: row.get(1),
-                lower: decode_cursor(row.get(2))?,
-                upper: decode_cursor(row.get(3))?,
-                row_count: row.get::<i64, _>(4) as u64,
-                content_hash: row.get(5),
-            })
-        })
-        .transpose()
+        let mut answers: Vec<Option<Claimed>> = group.iter().map(|_| None).collect();
+        for row in rows {
+            let i = row.get::<i64, _>(0) as usize - 1;
+            let pending = row
+                .get::<Option<String>, _>(5)
+                .map(|batch_id| -> Result<_, CoordinatorError> {
+                    Ok(PendingBatchRecord {
+                        batch_id,
+                        manifest_path: row.get(6),
+                        lower: decode_cursor(row.get(7))?,
+                        upper: decode_cursor(row.get(8))?,
+                        row_count: row.get::<i64, _>(9) as u64,
+                        content_hash: row.get(10),
+                    })
+                })
+                .transpose()?;
+            let epoch = row
+                .get::<Option<i64>, _>(11)
+                .map(|_| epoch_from(&row, 11))
+                .transpose()?;
+            answers[i] = Some(Claimed {
+                record: ShardRecord {
+                    key: group[i].shard.clone(),
+                    range: row.get::<serde_json::Value, _>(1).to_string(),
+                    cursor: decode_cursor(row.get(2))?,
+                    version: row.get::<i64, _>(3) as u64,
+                    fence: row.get::<i64, _>(4) as u64,
+                },
+                pending,
+                epoch,
+            });
+        }
+        Ok(answers)
     }
 
     /// Locks the shard's checkpoint row and checks that `fence` is the current owner's.
@@ -951,12 +964,6 @@ impl ControlDb {
                 })
             })
             .collect())
-    }
-
-    /// The compare-and-swap that advances a shard. Returns the new checkpoint version.
-    pub async fn commit_batch(&self, commit: &CommitBatch) -> Result<Committed, CoordinatorError> {
-        let mut outcomes = self.commit_batches(std::slice::from_ref(commit)).await?;
-        outcomes.pop().expect("one outcome per commit")
     }
 
     /// The compare-and-swap for a group of commits of distinct shards, in one transaction of

@@ -1,7 +1,8 @@
 //! Grouped control-database calls: the calls of one kind that arrive while the control
 //! database works on earlier ones go in together, one statement or transaction for the
 //! group. Every batch costs three such calls (its registration, its commit and the shard's
-//! work poll after it), each once per batch and per idle shard's poll interval, and their
+//! work poll after it), each once per batch and per idle shard's poll interval, and every
+//! claimed shard one (a vanished worker's shards are claimed in a burst); their
 //! cost is per use of a control connection, not per row: at 1,000 workers the queue for
 //! control connections, not the database, set their latency (issue 20). A connection's use
 //! is its statement, sqlx's ping as it goes back to the pool, and the wake-ups of both; a
@@ -19,7 +20,7 @@ use std::sync::{Arc, OnceLock};
 
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use crate::checkpoints::{CommitBatch, Committed, ControlDb, RegisterBatch, ShardKey};
+use crate::checkpoints::{Claim, Claimed, CommitBatch, Committed, ControlDb, RegisterBatch, ShardKey};
 use crate::error::CoordinatorError;
 use crate::metrics::METRICS;
 use crate::reconcile_runs::ShardWork;
@@ -209,6 +210,26 @@ impl Work for Registrations {
         items: &[RegisterBatch],
     ) -> Result<Vec<Result<(), CoordinatorError>>, CoordinatorError> {
         control.register_batches(items).await
+    }
+}
+
+/// The new owners of shards claimed in the lease store (`ControlDb::claim_shards`): after a
+/// worker vanishes, the survivors claim its shards all at once.
+pub struct Claims;
+
+impl Work for Claims {
+    type Item = Claim;
+    type Out = Option<Claimed>;
+    const CALL: &'static str = "acquire_shard";
+    const RUNNERS: usize = 2;
+    fn shard(item: &Claim) -> &ShardKey {
+        &item.shard
+    }
+    async fn group(
+        control: &ControlDb,
+        items: &[Claim],
+    ) -> Result<Vec<Result<Option<Claimed>, CoordinatorError>>, CoordinatorError> {
+        Ok(control.claim_shards(items).await?.into_iter().map(Ok).collect())
     }
 }
 

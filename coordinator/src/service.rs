@@ -13,11 +13,13 @@ use tidemark_common::config::{DeletePolicy, ReconcileCompare, TargetDeletes};
 use tidemark_common::contract::{self, Contract};
 
 use crate::checkpoints::ShardStatusRow;
-use crate::checkpoints::{CommitBatch, ControlDb, EpochRecord, RegisterBatch, ShardKey, parse_request_cursor};
+use crate::checkpoints::{
+    Claim, Claimed, CommitBatch, ControlDb, EpochRecord, RegisterBatch, ShardKey, parse_request_cursor,
+};
 use crate::claim_queue::ClaimQueue;
 use crate::engines;
 use crate::error::CoordinatorError;
-use crate::groups::{Commits, Groups, Registrations, ShardWorkPolls};
+use crate::groups::{Claims, Commits, Groups, Registrations, ShardWorkPolls};
 use crate::leader::Leadership;
 use crate::leases::Leases;
 use crate::metrics::{METRICS, count};
@@ -49,6 +51,7 @@ pub struct CoordinatorService {
     inner: Arc<Coordinator>,
     claims: Arc<ClaimQueue>,
     seen: Arc<WorkersSeen>,
+    claims_recorded: Arc<Groups<Claims>>,
     commits: Arc<Groups<Commits>>,
     registrations: Arc<Groups<Registrations>>,
     shard_work_polls: Arc<Groups<ShardWorkPolls>>,
@@ -62,6 +65,7 @@ impl CoordinatorService {
             inner: Arc::new(coordinator),
             claims,
             seen: Arc::new(WorkersSeen::default()),
+            claims_recorded: Arc::default(),
             commits: Arc::default(),
             registrations: Arc::default(),
             shard_work_polls: Arc::default(),
@@ -221,25 +225,26 @@ impl CoordinatorService {
         worker_id: &str,
     ) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
         let coordinator = &self.inner;
-        let Some(record) = coordinator.control.claim(shard, fence, worker_id).await? else {
+        let claim = Claim {
+            shard: shard.clone(),
+            fence,
+            owner: worker_id.to_string(),
+        };
+        let Some(Claimed { record, pending, epoch }) = self.claims_recorded.call(&coordinator.control, claim).await?
+        else {
             // Cannot happen while fences come from etcd revisions; give the key back.
             tracing::error!(task = %shard.task, shard = shard.shard_id, fence, "fence did not increase; releasing");
             coordinator.leases.release(shard, fence).await?;
             return Ok(None);
         };
-        let pending = coordinator.control.pending_batch(shard, &record.cursor).await?;
         let task = self.task(&shard.task)?;
         // The shard's epoch as the control database has it now (`tasks reinit` plans new
         // ones; an evolution changes its columns).
-        let epoch = coordinator
-            .control
-            .epoch_record(&shard.task, shard.epoch)
-            .await?
-            .ok_or_else(|| CoordinatorError::EpochSuperseded {
-                task: shard.task.clone(),
-                epoch: shard.epoch,
-                current: 0,
-            })?;
+        let epoch = epoch.ok_or_else(|| CoordinatorError::EpochSuperseded {
+            task: shard.task.clone(),
+            epoch: shard.epoch,
+            current: 0,
+        })?;
         tracing::info!(
             task = %shard.task, shard = shard.shard_id, worker = worker_id, fence,
             cursor = %record.cursor.describe(), pending = pending.is_some(), "shard acquired"

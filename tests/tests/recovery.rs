@@ -1155,3 +1155,100 @@ async fn a_coordinator_starts_while_a_target_transaction_holds_the_ledger() {
         .unwrap();
     assert_eq!(held, 0, "the held transaction rolled back");
 }
+
+/// The claims of one acquire burst are recorded in one statement (issue 20); each is answered
+/// on its own: a larger fence records its owner and brings the shard's pending batch and its
+/// epoch, a fence that does not increase and an unknown shard change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_group_answers_each_claim_on_its_own() {
+    use tidemark_coordinator::checkpoints::{Claim, ControlDb, ShardKey};
+
+    let mut cluster = Cluster::new("claims").await;
+    create_items(&cluster.source, KeyKind::Bigint, 300).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 3,
+            ..TaskSettings::default()
+        })
+        .await;
+    let mut client = worker_client(&cluster).await;
+    let a = register_and_acquire(&mut client, "w-a").await.expect("a free shard");
+    let upper = after_key(a.epoch, 10);
+    client
+        .register_batch(pb::RegisterBatchRequest {
+            worker_id: "w-a".into(),
+            task: "items".into(),
+            epoch: a.epoch,
+            shard_id: a.shard_id,
+            fence_token: a.fence_token,
+            batch_id: "a-1".into(),
+            lower: a.cursor.clone(),
+            upper: upper.encode(),
+            row_count: 10,
+            byte_size: 100,
+            content_hash: "sha256:a-1".into(),
+            manifest_path: "a-1.manifest".into(),
+        })
+        .await
+        .unwrap();
+    let (b, c) = match a.shard_id {
+        0 => (1, 2),
+        1 => (0, 2),
+        _ => (0, 1),
+    };
+    let (_, _, b_fence) = checkpoint_row(&cluster, b).await;
+    let (_, _, c_fence) = checkpoint_row(&cluster, c).await;
+    let claim = |shard_id: u32, fence: u64, owner: &str| Claim {
+        shard: ShardKey {
+            task: "items".into(),
+            epoch: a.epoch,
+            shard_id,
+        },
+        fence,
+        owner: owner.into(),
+    };
+    let group = vec![
+        claim(c, c_fence as u64 + 7, "w-c"),
+        claim(99, 1_000_000, "w-x"),
+        claim(a.shard_id, a.fence_token + 1_000, "w-a2"),
+        claim(b, b_fence as u64, "w-b"),
+    ];
+    let before_b = checkpoint_row(&cluster, b).await;
+    let control = ControlDb::connect(&cluster.control.url, None).await.unwrap();
+    let answers = control.claim_shards(&group).await.expect("the group's statement");
+    assert_eq!(answers.len(), 4);
+
+    let claimed_c = answers[0].as_ref().expect("c claimed");
+    assert_eq!(claimed_c.record.key.shard_id, c);
+    assert_eq!(claimed_c.record.fence, c_fence as u64 + 7);
+    assert!(claimed_c.pending.is_none());
+    assert_eq!(claimed_c.epoch.as_ref().map(|e| e.epoch), Some(a.epoch));
+
+    assert!(answers[1].is_none(), "an unknown shard is not claimed");
+
+    let claimed_a = answers[2].as_ref().expect("a claimed again");
+    assert_eq!(claimed_a.record.fence, a.fence_token + 1_000);
+    assert_eq!(claimed_a.record.cursor.encode(), a.cursor);
+    assert_eq!(claimed_a.record.version, a.checkpoint_version);
+    let pending = claimed_a.pending.as_ref().expect("a-1 is pending");
+    assert_eq!(
+        (pending.batch_id.as_str(), pending.upper.encode(), pending.row_count),
+        ("a-1", upper.encode(), 10)
+    );
+    assert_eq!(pending.lower.encode(), a.cursor);
+
+    assert!(answers[3].is_none(), "a fence that does not increase claims nothing");
+    assert_eq!(checkpoint_row(&cluster, b).await, before_b);
+
+    let owners: Vec<(i32, Option<String>, i64)> =
+        sqlx::query_as("SELECT shard_id, owner, fence FROM checkpoints ORDER BY shard_id")
+            .fetch_all(&cluster.control.pool)
+            .await
+            .unwrap();
+    let owner_of = |shard_id: u32| owners.iter().find(|o| o.0 == shard_id as i32).cloned().unwrap();
+    assert_eq!(owner_of(c), (c as i32, Some("w-c".into()), c_fence + 7));
+    assert_eq!(
+        owner_of(a.shard_id),
+        (a.shard_id as i32, Some("w-a2".into()), (a.fence_token + 1_000) as i64)
+    );
+}

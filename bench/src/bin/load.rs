@@ -149,15 +149,48 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     }
 }
 
-/// Latencies in microseconds, per RPC.
+/// Latencies per RPC: (when the call ended, microseconds it took).
 #[derive(Default)]
-struct Latencies(Mutex<HashMap<&'static str, Vec<u32>>>);
+struct Latencies(Mutex<HashMap<&'static str, Vec<(Instant, u32)>>>);
 
 impl Latencies {
     async fn record(&self, rpc: &'static str, started: Instant) {
         let micros = started.elapsed().as_micros().min(u32::MAX as u128) as u32;
-        self.0.lock().await.entry(rpc).or_default().push(micros);
+        self.0
+            .lock()
+            .await
+            .entry(rpc)
+            .or_default()
+            .push((Instant::now(), micros));
     }
+}
+
+/// The seconds of the measured time (from `start`) whose slowest calls were slowest: (second,
+/// calls ended in it, their p99 and max), the `worst` of them by max, in time order.
+fn slowest_seconds(calls: &[(Instant, u32)], start: Instant, worst: usize) -> Vec<(u64, usize, f64, f64)> {
+    let mut by_second: std::collections::BTreeMap<u64, Vec<u32>> = std::collections::BTreeMap::new();
+    for (at, micros) in calls {
+        by_second
+            .entry(at.saturating_duration_since(start).as_secs())
+            .or_default()
+            .push(*micros);
+    }
+    let mut seconds: Vec<(u64, usize, f64, f64)> = by_second
+        .into_iter()
+        .map(|(second, mut values)| {
+            values.sort_unstable();
+            (
+                second,
+                values.len(),
+                percentile(&values, 0.99),
+                percentile(&values, 1.0),
+            )
+        })
+        .collect();
+    seconds.sort_by(|a, b| b.3.total_cmp(&a.3));
+    seconds.truncate(worst);
+    seconds.sort_by_key(|s| s.0);
+    seconds
 }
 
 #[derive(Default)]
@@ -429,6 +462,15 @@ fn batch(
     (register, commit)
 }
 
+/// A fraction in [0, 1) fixed per shard, spread evenly over the shards (a hash of its task and
+/// id).
+fn phase(task: &str, shard_id: u32) -> f64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (task, shard_id).hash(&mut hasher);
+    (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// One held shard: a pending batch first (committed as replayed), then a batch per interval
 /// until the coordinator refuses or asks for the shard back. Returns the shard as last held
 /// when its worker vanished.
@@ -470,8 +512,13 @@ async fn run_shard(
             }
         }
     }
+    // A pool in its steady state holds shards at every phase of their interval: each shard's
+    // first batch comes at its own fraction of it, not all one interval after the ramp's
+    // acquires (which bunched a 120 s interval's commits into the ramp's 20–50 s).
+    let mut wait = interval.mul_f64(phase(&task, assignment.shard_id));
     loop {
-        tokio::time::sleep(interval).await;
+        tokio::time::sleep(wait).await;
+        wait = interval;
         if vanish.as_ref().is_some_and(|v| *v.borrow()) {
             return Some(Held {
                 assignment,
@@ -884,7 +931,7 @@ async fn main() {
     let mut names: Vec<_> = latencies.keys().copied().collect();
     names.sort();
     for name in names {
-        let mut values = latencies[name].clone();
+        let mut values: Vec<u32> = latencies[name].iter().map(|(_, micros)| *micros).collect();
         values.sort_unstable();
         println!(
             "{:<16} {:>9} {:>9.1} {:>9.1} {:>9.1}",
@@ -893,6 +940,17 @@ async fn main() {
             percentile(&values, 0.5),
             percentile(&values, 0.99),
             percentile(&values, 1.0)
+        );
+    }
+    if let Some(commits) = latencies.get("commit_batch") {
+        let vanish_second = vanished_at.duration_since(measure).as_secs();
+        let seconds: Vec<String> = slowest_seconds(commits, measure, 6)
+            .iter()
+            .map(|(second, n, p99, max)| format!("{second} s: {n} commits, p99 {p99:.0} max {max:.0}"))
+            .collect();
+        println!(
+            "commit_batch's slowest seconds (ms; the workers vanished at {vanish_second} s): {}",
+            seconds.join("; ")
         );
     }
     println!(
@@ -921,7 +979,7 @@ async fn main() {
         bucket_quantile(&before, &after, q).map_or("-".to_string(), |s| format!("{:.1}", s * 1000.0))
     };
     let moved = |series: &str| labelled_sum(&metrics1, series) - labelled_sum(&metrics0, series);
-    for call in ["register_batch", "commit_batch", "next_shard_work"] {
+    for call in ["acquire_shard", "register_batch", "commit_batch", "next_shard_work"] {
         let series = |suffix: &str| format!("tidemark_control_group_size_{suffix}{{call=\"{call}\"}}");
         let (groups, calls) = (moved(&series("count")), moved(&series("sum")));
         let labels = format!("call=\"{call}\"");
