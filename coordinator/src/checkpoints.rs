@@ -14,6 +14,7 @@ use tidemark_common::pg::{Column, connect_options, quote_ident};
 
 use crate::batches::{self, Registration, Staged};
 use crate::error::{CoordinatorError, display_url};
+use crate::reconcile_runs::{ShardWork, shard_works_on};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/control");
 
@@ -128,12 +129,15 @@ pub(crate) struct LockedCheckpoint {
 
 /// The result of a commit: the new checkpoint version, and whether the owner is asked to
 /// release the shard (a move, split, merge or drain waits for it).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Committed {
     pub new_version: u64,
     pub release_requested: bool,
     /// A retry of a commit that had already succeeded (its reply was lost).
     pub repeated: bool,
+    /// The shard's work beside reading as of the commit (what `shard_works` would answer);
+    /// `None` for a repeated commit.
+    pub work: Option<ShardWork>,
 }
 
 pub struct CommitBatch {
@@ -177,6 +181,7 @@ fn judge(commit: &CommitBatch, locked: LockedCheckpoint) -> Result<Judged, Coord
             new_version: version,
             release_requested,
             repeated: true,
+            work: None,
         }));
     }
     let conflict = |message: String| CoordinatorError::CheckpointConflict {
@@ -1027,10 +1032,15 @@ impl ControlDb {
                 _ => None,
             })
             .collect();
+        // What each moved shard's owner would ask next (`NextShardWork`), answered here.
+        let mut works = Vec::new();
         if !moving.is_empty() {
             Self::move_checkpoints(&mut tx, &moving).await?;
+            let shards: Vec<ShardKey> = moving.iter().map(|(_, commit, _)| commit.shard.clone()).collect();
+            works = shard_works_on(&mut tx, &shards).await?;
         }
         tx.commit().await?;
+        let mut works = works.into_iter();
         Ok(outcomes
             .into_iter()
             .map(|judged| {
@@ -1043,6 +1053,7 @@ impl ControlDb {
                         new_version: version + 1,
                         release_requested,
                         repeated: false,
+                        work: works.next(),
                     },
                 })
             })

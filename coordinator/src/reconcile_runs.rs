@@ -22,7 +22,7 @@ pub struct ShardReconcile {
 }
 
 /// What a shard's owner should do beside reading (`ControlDb::shard_works`).
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct ShardWork {
     /// Give the shard up.
     pub release: bool,
@@ -119,35 +119,7 @@ impl ControlDb {
     /// run still pending for it, if any. One answer per shard, in order; a shard that is
     /// not there has nothing to do.
     pub async fn shard_works(&self, shards: &[ShardKey]) -> Result<Vec<ShardWork>, CoordinatorError> {
-        let rows = sqlx::query(
-            "SELECT g.i, c.release_requested OR NOT EXISTS (SELECT 1 FROM running_epochs e \
-             WHERE e.task = c.task AND e.epoch = c.epoch), o.id, o.since_micros, o.versions_only \
-             FROM unnest($1::text[], $2::bigint[], $3::int[]) WITH ORDINALITY AS g(task, epoch, shard_id, i) \
-             JOIN checkpoints c ON c.task = g.task AND c.epoch = g.epoch AND c.shard_id = g.shard_id \
-             LEFT JOIN LATERAL (SELECT r.id, r.since_micros, r.compare = 'versions' AS versions_only \
-               FROM reconcile_runs r JOIN reconcile_shards s ON s.run_id = r.id \
-               WHERE r.task = c.task AND r.epoch = c.epoch AND s.shard_id = c.shard_id AND s.state = 'PENDING' \
-               ORDER BY r.id LIMIT 1) o ON true",
-        )
-        .bind(shards.iter().map(|s| s.task.as_str()).collect::<Vec<_>>())
-        .bind(shards.iter().map(|s| s.epoch as i64).collect::<Vec<_>>())
-        .bind(shards.iter().map(|s| s.shard_id as i32).collect::<Vec<_>>())
-        .fetch_all(self.pool())
-        .await?;
-        let mut works: Vec<ShardWork> = shards.iter().map(|_| ShardWork::default()).collect();
-        for row in rows {
-            let work = &mut works[row.get::<i64, _>(0) as usize - 1];
-            if row.get::<bool, _>(1) {
-                work.release = true;
-                continue;
-            }
-            work.reconcile = row.get::<Option<i64>, _>(2).map(|id| pb::ReconcileOrder {
-                run_id: id as u64,
-                since_micros: row.get(3),
-                versions_only: row.get(4),
-            });
-        }
-        Ok(works)
+        shard_works_on(&mut *self.pool().acquire().await?, shards).await
     }
 
     /// Records a shard's result under its owner's fence; the run is finished with its last
@@ -221,4 +193,41 @@ impl ControlDb {
         .fetch_one(self.pool())
         .await?)
     }
+}
+
+/// `ControlDb::shard_works` on `conn` (a commit group's transaction answers it for the
+/// shards it moved).
+pub(crate) async fn shard_works_on(
+    conn: &mut sqlx::PgConnection,
+    shards: &[ShardKey],
+) -> Result<Vec<ShardWork>, CoordinatorError> {
+    let rows = sqlx::query(
+        "SELECT g.i, c.release_requested OR NOT EXISTS (SELECT 1 FROM running_epochs e \
+         WHERE e.task = c.task AND e.epoch = c.epoch), o.id, o.since_micros, o.versions_only \
+         FROM unnest($1::text[], $2::bigint[], $3::int[]) WITH ORDINALITY AS g(task, epoch, shard_id, i) \
+         JOIN checkpoints c ON c.task = g.task AND c.epoch = g.epoch AND c.shard_id = g.shard_id \
+         LEFT JOIN LATERAL (SELECT r.id, r.since_micros, r.compare = 'versions' AS versions_only \
+           FROM reconcile_runs r JOIN reconcile_shards s ON s.run_id = r.id \
+           WHERE r.task = c.task AND r.epoch = c.epoch AND s.shard_id = c.shard_id AND s.state = 'PENDING' \
+           ORDER BY r.id LIMIT 1) o ON true",
+    )
+    .bind(shards.iter().map(|s| s.task.as_str()).collect::<Vec<_>>())
+    .bind(shards.iter().map(|s| s.epoch as i64).collect::<Vec<_>>())
+    .bind(shards.iter().map(|s| s.shard_id as i32).collect::<Vec<_>>())
+    .fetch_all(conn)
+    .await?;
+    let mut works: Vec<ShardWork> = shards.iter().map(|_| ShardWork::default()).collect();
+    for row in rows {
+        let work = &mut works[row.get::<i64, _>(0) as usize - 1];
+        if row.get::<bool, _>(1) {
+            work.release = true;
+            continue;
+        }
+        work.reconcile = row.get::<Option<i64>, _>(2).map(|id| pb::ReconcileOrder {
+            run_id: id as u64,
+            since_micros: row.get(3),
+            versions_only: row.get(4),
+        });
+    }
+    Ok(works)
 }

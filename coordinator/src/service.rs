@@ -365,9 +365,13 @@ impl CoordinatorService {
                     }
                 }
                 tidemark_common::crash::point("commit_before_reply");
+                let shard_work = committed.work.is_some();
+                let work = committed.work.unwrap_or_default();
                 Ok(Response::new(pb::CommitBatchResponse {
                     new_version: committed.new_version,
-                    release: committed.release_requested,
+                    release: committed.release_requested || work.release,
+                    shard_work,
+                    reconcile: work.reconcile,
                 }))
             }
             Err(error) => {

@@ -773,10 +773,16 @@ async fn a_commit_group_answers_each_commit_on_its_own() {
     ];
     let before: Vec<_> = checkpoint_rows(&cluster, &owned).await;
     let control = ControlDb::connect(&cluster.control.url, None).await.unwrap();
+    // A reconciliation waits for every shard: each commit that moves its shard answers with
+    // it (the owner need not poll), a repeated one with nothing.
+    let run = control
+        .start_reconcile("items", "test", Some(5), tidemark_common::config::ReconcileCompare::Versions)
+        .await
+        .unwrap();
     let outcomes = control.commit_batches(&group).await.expect("the group's transaction");
     assert_eq!(outcomes.len(), 7);
     let ok = |i: usize| match &outcomes[i] {
-        Ok(committed) => *committed,
+        Ok(committed) => committed.clone(),
         Err(error) => panic!("commit {i} refused: {error}"),
     };
     assert_eq!((ok(0).new_version, ok(0).repeated), (a.checkpoint_version + 1, false));
@@ -797,6 +803,16 @@ async fn a_commit_group_answers_each_commit_on_its_own() {
     );
     assert_eq!(ok(4).new_version, e.checkpoint_version + 1);
     assert_eq!(ok(5).new_version, f.checkpoint_version + 1);
+    for i in [0, 4, 5] {
+        let work = ok(i).work.expect("a moved shard's work");
+        assert!(!work.release, "commit {i}");
+        let order = work.reconcile.expect("the pending reconciliation");
+        assert_eq!(
+            (order.run_id, order.since_micros, order.versions_only),
+            (run, Some(5), true),
+            "commit {i}"
+        );
+    }
     assert!(
         matches!(&outcomes[6], Err(CoordinatorError::InvalidRequest(message)) if message.contains("no shard 99")),
         "{:?}",
@@ -882,6 +898,7 @@ async fn a_commit_group_answers_each_commit_on_its_own() {
         let committed = again[i].as_ref().expect("a retry of a commit that succeeded");
         assert!(committed.repeated, "commit {i}");
         assert_eq!(committed.new_version, ok(i).new_version);
+        assert!(committed.work.is_none(), "a repeated commit leaves the poll to the owner");
     }
     assert!(
         matches!(&again[4], Err(CoordinatorError::CheckpointConflict { .. })),

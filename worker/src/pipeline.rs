@@ -57,6 +57,9 @@ pub struct ShardRun {
     append_bound: Option<KeyValue>,
     /// The coordinator asked for the shard back (a move, split, merge or drain).
     release_requested: bool,
+    /// The reconciliation order (or none) that the current step's last commit answered with,
+    /// when it answered `NextShardWork` too: the owner then need not ask.
+    work_from_commit: Option<Option<pb::ReconcileOrder>>,
     /// The next page, read while the previous one was applied.
     prefetched: Option<(ReadPlan, Page, bool)>,
     /// The statements of the epoch's own table while it builds beside the live one (what a
@@ -225,6 +228,7 @@ impl ShardRun {
             id_tail: IdTail::default(),
             append_bound: None,
             release_requested: false,
+            work_from_commit: None,
             prefetched: None,
             epoch_sql: None,
         })
@@ -266,6 +270,7 @@ impl ShardRun {
             if *stop.borrow() {
                 return Ok(());
             }
+            self.work_from_commit = None;
             let caught_up = self.step(client).await?;
             if caught_up && !self.release_requested {
                 self.shard_work(client).await?;
@@ -900,20 +905,26 @@ impl ShardRun {
         Ok(())
     }
 
-    /// Asks the coordinator for work beside reading (a reconciliation of this shard) and does
-    /// it.
+    /// Work beside reading (a reconciliation of this shard), as the step's last commit
+    /// answered it or else asked of the coordinator, and does it.
     async fn shard_work(&mut self, client: &CoordinatorClient) -> Result<(), WorkerError> {
-        let work = client
-            .next_shard_work(pb::ShardWorkRequest {
-                worker_id: self.worker_id.clone(),
-                task: self.task.name.clone(),
-                epoch: self.epoch,
-                shard_id: self.shard_id,
-                fence_token: self.fence,
-            })
-            .await?;
-        self.release_requested |= work.release;
-        if let Some(order) = work.reconcile
+        let reconcile = match self.work_from_commit.take() {
+            Some(reconcile) => reconcile,
+            None => {
+                let work = client
+                    .next_shard_work(pb::ShardWorkRequest {
+                        worker_id: self.worker_id.clone(),
+                        task: self.task.name.clone(),
+                        epoch: self.epoch,
+                        shard_id: self.shard_id,
+                        fence_token: self.fence,
+                    })
+                    .await?;
+                self.release_requested |= work.release;
+                work.reconcile
+            }
+        };
+        if let Some(order) = reconcile
             && self.cursor.incremental_time().is_some()
         {
             self.reconcile(client, &order).await?;
@@ -971,6 +982,7 @@ impl ShardRun {
         self.version = response.new_version;
         self.cursor = bounds.upper;
         self.release_requested |= response.release;
+        self.work_from_commit = response.shard_work.then_some(response.reconcile);
         Ok(())
     }
 }

@@ -559,18 +559,24 @@ async fn run_shard(
         }
         version = response.new_version;
         cursor = next;
-        let started = Instant::now();
-        let work = client
-            .next_shard_work(pb::ShardWorkRequest {
-                worker_id: worker_id.clone(),
-                task: task.clone(),
-                epoch: assignment.epoch,
-                shard_id: assignment.shard_id,
-                fence_token: assignment.fence_token,
-            })
-            .await;
-        shared.latencies.record("next_shard_work", started).await;
-        if response.release || work.is_ok_and(|w| w.get_ref().release) {
+        // As a worker does: the commit's answer stands for the poll when it says so.
+        let release = if response.shard_work {
+            response.release
+        } else {
+            let started = Instant::now();
+            let work = client
+                .next_shard_work(pb::ShardWorkRequest {
+                    worker_id: worker_id.clone(),
+                    task: task.clone(),
+                    epoch: assignment.epoch,
+                    shard_id: assignment.shard_id,
+                    fence_token: assignment.fence_token,
+                })
+                .await;
+            shared.latencies.record("next_shard_work", started).await;
+            response.release || work.is_ok_and(|w| w.get_ref().release)
+        };
+        if release {
             let _ = client
                 .release_shard(pb::ReleaseShardRequest {
                     worker_id: worker_id.clone(),
