@@ -776,7 +776,12 @@ async fn a_commit_group_answers_each_commit_on_its_own() {
     // A reconciliation waits for every shard: each commit that moves its shard answers with
     // it (the owner need not poll), a repeated one with nothing.
     let run = control
-        .start_reconcile("items", "test", Some(5), tidemark_common::config::ReconcileCompare::Versions)
+        .start_reconcile(
+            "items",
+            "test",
+            Some(5),
+            tidemark_common::config::ReconcileCompare::Versions,
+        )
         .await
         .unwrap();
     let outcomes = control.commit_batches(&group).await.expect("the group's transaction");
@@ -898,7 +903,10 @@ async fn a_commit_group_answers_each_commit_on_its_own() {
         let committed = again[i].as_ref().expect("a retry of a commit that succeeded");
         assert!(committed.repeated, "commit {i}");
         assert_eq!(committed.new_version, ok(i).new_version);
-        assert!(committed.work.is_none(), "a repeated commit leaves the poll to the owner");
+        assert!(
+            committed.work.is_none(),
+            "a repeated commit leaves the poll to the owner"
+        );
     }
     assert!(
         matches!(&again[4], Err(CoordinatorError::CheckpointConflict { .. })),
