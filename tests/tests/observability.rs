@@ -167,16 +167,25 @@ async fn metrics_agree_with_the_ledger() {
         commit_groups >= 1.0 && commit_groups <= grouped_commits && grouped_commits >= commits,
         "{commit_groups} groups of {grouped_commits} commits for {commits} commits"
     );
-    // A commit is grouped before it is timed. Registrations and shard-work polls are grouped
-    // the same way: a registration for every batch (none for an empty advance).
+    // A commit is grouped before it is timed. Registrations, claims and shard-work polls are
+    // grouped the same way: a registration for every batch (none for an empty advance), a
+    // claim recorded for every lease granted.
     let (register_groups, registrations) = groups("register_batch");
     assert!(
         registrations >= batches && register_groups >= 1.0 && register_groups <= registrations,
         "{register_groups} groups of {registrations} registrations for {batches} batches, {commits} commits\n{metrics}"
     );
+    let leases = sample(&metrics, "tidemark_leases_acquired_total", "task=\"items\"").expect("leases");
+    let (claim_groups, claims) = groups("acquire_shard");
+    assert!(
+        claims >= leases && leases > 0.0 && claim_groups >= 1.0 && claim_groups <= claims,
+        "{claim_groups} groups of {claims} claims for {leases} leases\n{metrics}"
+    );
+    // A commit answers the poll (`shard_work`): a worker polls only after a step that
+    // committed nothing, so there may be none here.
     let (poll_groups, polls) = groups("next_shard_work");
     assert!(
-        polls >= 1.0 && poll_groups >= 1.0 && poll_groups <= polls,
+        poll_groups <= polls,
         "{poll_groups} groups of {polls} shard-work polls\n{metrics}"
     );
     assert!(
