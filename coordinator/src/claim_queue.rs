@@ -161,8 +161,10 @@ impl ClaimQueue {
     }
 
     /// The next shard `worker` should try to claim, or `None` when none was free at the last
-    /// read (which is at most [`REFRESH`] old then), or the queue is empty while another
-    /// acquire reads it again (this one's worker asks again soon).
+    /// read (which is at most [`REFRESH`] old then). An acquire that finds another reading
+    /// waits for that read and takes from its result: answered `None` instead, its worker
+    /// would ask again only a second later (at a cluster's start, the second worker's first
+    /// acquire came while the first worker's read the queue, and it began 1.2 s late).
     pub(crate) async fn next(
         &self,
         worker: &str,
@@ -170,10 +172,9 @@ impl ClaimQueue {
         control: &ControlDb,
         leases: &Leases,
     ) -> Result<Option<ShardKey>, CoordinatorError> {
-        if self.locked().to_read(worker) != Read::Nothing
-            && let Ok(_reading) = self.reading.try_lock()
-        {
-            // Asked again: an acquire that read just before may have made it unnecessary.
+        if self.locked().to_read(worker) != Read::Nothing {
+            let _reading = self.reading.lock().await;
+            // Asked again: the read waited for may have made it unnecessary.
             let read = self.locked().to_read(worker);
             match read {
                 Read::Nothing => {}

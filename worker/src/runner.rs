@@ -147,7 +147,9 @@ async fn run_lease(
     mut lease_lost: watch::Receiver<bool>,
 ) {
     let mut shards: JoinSet<ShardEnded> = JoinSet::new();
-    let mut idle_delay = Duration::from_millis(200);
+    // The first acquire goes at once; after a claim, the next one too (up to `max_shards`);
+    // after an empty answer or an error, a second later.
+    let mut idle_delay = Duration::ZERO;
     loop {
         if *stop.borrow() {
             // Let every shard finish its batch in flight, then release them.
@@ -185,7 +187,7 @@ async fn run_lease(
             _ = tokio::time::sleep(idle_delay), if can_take => {
                 match client.acquire_shard(worker_id, lease_id).await {
                     Ok(Some(assignment)) => {
-                        idle_delay = Duration::from_millis(50);
+                        idle_delay = Duration::ZERO;
                         spawn_shard(&mut shards, worker_id, client, resources, options.max_shards, assignment, stop.clone()).await;
                     }
                     Ok(None) => idle_delay = Duration::from_secs(1),
