@@ -8,6 +8,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tidemark_tests::mariadb::MariaDb;
+use tidemark_tests::otlp::batches_by_format;
+use tidemark_tests::usage::{box_ticks, process_usage};
 use tidemark_tests::{Cluster, TaskSettings, TestDb, free_port};
 
 use crate::Args;
@@ -157,6 +159,7 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
             .await?;
 
     let into_mariadb = args.target == "mariadb";
+    let base_ticks = box_ticks();
     let base_secs = if into_mariadb {
         let base = MariaDb::create("bench_my_base").await;
         base.exec(MARIADB_TARGET_TABLE).await;
@@ -172,6 +175,8 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
         eprintln!("baseline mariadb | psql COPY: {secs:.1}s");
         secs
     };
+    // The check's read above is the machine's too; it is small beside the copy.
+    let base_cpu = (box_ticks() - base_ticks) / 100.0;
     let target = if into_mariadb {
         Some(MariaDb::create("bench_my_dst").await)
     } else {
@@ -201,6 +206,7 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
         })
         .await;
     let started = Instant::now();
+    let started_ticks = box_ticks();
     let mut pids = Vec::new();
     let mut metrics = Vec::new();
     for i in 0..args.workers {
@@ -220,6 +226,8 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
         })
         .await;
     let secs = started.elapsed().as_secs_f64();
+    let cpu = (box_ticks() - started_ticks) / 100.0;
+    let worker_cpu: f64 = pids.iter().map(|p| process_usage(*p).0).sum();
     let rss: Vec<String> = pids.iter().map(|p| format!("{:.0}", crate::peak_rss_mib(*p))).collect();
     let target_check = match &target {
         Some(target) => mariadb_check(target).await,
@@ -231,11 +239,18 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
         .into_iter()
         .map(|(step, s)| format!("{step} {s:.1}s"))
         .collect();
+    let formats: Vec<String> = batches_by_format(&metrics)
+        .await
+        .into_iter()
+        .map(|(format, n)| format!("{n:.0} {format}"))
+        .collect();
     println!(
         "MariaDB -> {}, {rows} rows, {} workers x {} shards, page {}:\n  \
          baseline (mariadb --batch | {}, one stream): {base_secs:.1}s ({:.0} rows/s)\n  \
          tidemark snapshot: {secs:.1}s ({:.0} rows/s), {:.2}x the baseline; worker peak RSS {} MiB\n  \
          worker time per step (summed over workers): {}\n  \
+         batches by COPY format: {}\n  \
+         CPU seconds, whole machine: baseline {base_cpu:.1}, tidemark {cpu:.1} (its workers {worker_cpu:.1}), {:.2}x\n  \
          checked: count / sum(id) / sum(amount) = {source_check} on both sides",
         if into_mariadb { "MariaDB" } else { "PostgreSQL" },
         args.workers,
@@ -247,6 +262,8 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
         base_secs / secs,
         rss.join(", "),
         steps.join(", "),
+        formats.join(", "),
+        base_cpu / cpu,
     );
     Ok(())
 }

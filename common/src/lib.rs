@@ -23,6 +23,7 @@ pub mod source;
 pub mod staging;
 pub mod target;
 pub mod telemetry;
+pub mod text_to_binary;
 pub mod tls;
 pub mod transform;
 pub mod write;

@@ -10,6 +10,7 @@ use std::fmt::Debug;
 use std::ops::Deref;
 use std::sync::Arc;
 
+use crate::copy_format::CopyFormat;
 use crate::cursor::{KeyValue, ShardRange};
 use crate::engines::Engine;
 use crate::pg::deletes::LogUpper;
@@ -80,17 +81,22 @@ pub trait Source: Send + Sync + Debug {
     /// TRUNCATE trigger (MySQL's InnoDB table id); `None` where TRUNCATEs are recorded instead.
     async fn table_identity(&self, table: &TableName) -> Result<Option<String>, sqlx::Error>;
 
-    /// Runs a page statement and returns its rows as COPY bytes (text, or binary where the
-    /// statement asks for it) and, where pages can be binary, the table's column types read
-    /// on the same session right after the page (a type change is seen by the page it could
+    /// Runs a page statement and returns its rows as COPY bytes in `page.format` (text, or
+    /// binary where the statement or the engine's encoding makes it; an engine that renders
+    /// text may answer a page in text where a value has no exact binary form, and says so in
+    /// [`CopyPage::format`]) and, where pages can be binary, the table's column types read on
+    /// the same session right after the page (a type change is seen by the page it could
     /// affect).
     async fn read_copy(
         &self,
         statement: &str,
         table: &TableName,
-    ) -> Result<(bytes::Bytes, Option<ColumnTypes>), sqlx::Error>;
+        page: PageRequest<'_>,
+    ) -> Result<CopyPage, sqlx::Error>;
 
-    /// The table's column types where the engine's pages can be binary (PostgreSQL).
+    /// The table's column types (as PostgreSQL types, with whether each is built in) where the
+    /// engine's pages can be binary: PostgreSQL's own, or a text-rendering engine's mapped
+    /// types, marked built in where they can be encoded ([`crate::text_to_binary`]).
     async fn binary_column_types(&self, table: &TableName) -> Result<Option<ColumnTypes>, sqlx::Error>;
 
     /// What reconciliation reads of this side.
@@ -101,6 +107,24 @@ pub trait Source: Send + Sync + Debug {
     ) -> Result<Box<dyn SideReads + 'a>, ReadError>;
 
     async fn close(&self);
+}
+
+/// How a page is asked for: its COPY format and the types of its staged fields, in order (see
+/// [`TableSql::payload_columns`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PageRequest<'a> {
+    pub format: CopyFormat,
+    pub field_types: &'a [String],
+}
+
+/// A page as the source returned it.
+#[derive(Debug)]
+pub struct CopyPage {
+    pub data: bytes::Bytes,
+    pub format: CopyFormat,
+    /// The table's column types, read on the page's session right after it, where the engine
+    /// reads them per page.
+    pub types: Option<ColumnTypes>,
 }
 
 /// A connection pool to a source, of whichever engine.

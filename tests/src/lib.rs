@@ -13,6 +13,7 @@ pub mod faults;
 pub mod mariadb;
 pub mod otlp;
 pub mod s3;
+pub mod usage;
 
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions};

@@ -117,6 +117,24 @@ pub async fn scrape(address: &str) -> String {
         .unwrap_or_default()
 }
 
+/// Batches the workers at these metrics endpoints applied, per COPY format, summed over
+/// workers: `[("binary", n), ("text", n)]`.
+pub async fn batches_by_format(endpoints: &[String]) -> [(&'static str, f64); 2] {
+    let mut totals = [("binary", 0.0), ("text", 0.0)];
+    for endpoint in endpoints {
+        let text = scrape(endpoint).await;
+        for line in text.lines().filter(|l| l.starts_with("tidemark_batches_total{")) {
+            let value: f64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+            for (format, total) in totals.iter_mut() {
+                if line.contains(&format!("format=\"{format}\"")) {
+                    *total += value;
+                }
+            }
+        }
+    }
+    totals
+}
+
 /// The value of a sample line `name{labels} value` (labels as written, e.g. `task="items"`).
 pub fn sample(metrics: &str, name: &str, labels: &str) -> Option<f64> {
     let prefix = if labels.is_empty() {

@@ -15,7 +15,8 @@ use sqlx::Row;
 use tidemark_tests::mariadb::{
     ITEMS_TABLE as CREATE, MariaDb, MariaServer, MariaUser, items_insert as insert, reader_source,
 };
-use tidemark_tests::{Cluster, TaskSettings, TestDb};
+use tidemark_tests::otlp::batches_by_format;
+use tidemark_tests::{Cluster, TaskSettings, TestDb, free_port};
 
 /// A key's columns as one text and its version.
 type Rendered = (String, i64);
@@ -142,12 +143,18 @@ async fn a_mariadb_table_syncs_to_postgres_per_key() {
         .await;
     let mut cluster = Cluster::new("my_sync").await;
     cluster.start(&settings(&source, &user)).await;
-    cluster.spawn_worker("a", 2, &[]);
-    cluster.spawn_worker("b", 2, &[]);
+    let metrics: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", free_port())).collect();
+    cluster.spawn_worker("a", 2, &[("TIDEMARK_METRICS_LISTEN", &metrics[0])]);
+    cluster.spawn_worker("b", 2, &[("TIDEMARK_METRICS_LISTEN", &metrics[1])]);
     cluster
         .wait_for("snapshot complete", Duration::from_secs(180), |t| t.snapshot_complete)
         .await;
     assert_converged(&source, &cluster.target, &[77, 78], "after the snapshot").await;
+    // Every column maps to a type the worker encodes, so pages go to PostgreSQL as binary
+    // COPY; the pages holding the NUL byte and the zero date have no exact binary form and
+    // go as text, where PostgreSQL refuses those rows (the dead letters below).
+    let [(_, binary), (_, text)] = batches_by_format(&metrics).await;
+    assert!(binary >= 1.0 && text >= 1.0, "batches: {binary} binary, {text} text");
     let letters: BTreeMap<String, String> = pairs(
         &cluster.target.pool,
         "SELECT key, message FROM tidemark_dead_letters WHERE task = 'items'",
@@ -175,9 +182,10 @@ async fn a_mariadb_table_syncs_to_postgres_per_key() {
     source.exec(&insert(20_001, 21_000)).await;
     let writes_end = mariadb_now(&source).await;
     // The watermark cannot pass the open transaction's start, so this times out short of it.
+    // The outer timeout decides: the wait's own deadline (which panics) lies beyond it.
     let held = tokio::time::timeout(
         Duration::from_secs(5),
-        cluster.wait_for_watermark(writes_end, Duration::from_secs(5)),
+        cluster.wait_for_watermark(writes_end, Duration::from_secs(60)),
     )
     .await;
     // Under CI load this once saw the watermark pass (1 run in 5, session 7): other shards and
@@ -1026,9 +1034,11 @@ async fn a_late_commit_is_held(server: &MariaServer, tag: &str, poll_innodb_trx:
         .unwrap();
     source.exec("UPDATE items SET note = 'other' WHERE id = 6").await;
     let writes_end = mariadb_now(&source).await;
+    // The outer timeout decides: the wait's own deadline (which panics) lies beyond it; with
+    // both at 6 s, a slow status call let the wait's deadline come first (seen under load).
     let passed = tokio::time::timeout(
         Duration::from_secs(6),
-        cluster.wait_for_watermark(writes_end + 2_000_000, Duration::from_secs(6)),
+        cluster.wait_for_watermark(writes_end + 2_000_000, Duration::from_secs(60)),
     )
     .await
     .is_ok();

@@ -67,7 +67,7 @@ async fn choose_checked(
     if !sql.binary_types_match(&target_types, true) {
         return text("a target column's type differs from the source's");
     }
-    tracing::debug!(table = %sql.source, "reading pages as COPY binary");
+    tracing::info!(table = %sql.source, "reading pages as COPY binary");
     Ok(CopyFormat::Binary)
 }
 

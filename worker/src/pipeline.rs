@@ -400,7 +400,7 @@ impl ShardRun {
     /// A column type changed under a binary read or apply: read text from now on.
     fn read_text(&mut self, reason: &str) {
         tracing::warn!(task = %self.task.name, shard = self.shard_id, reason,
-            "binary pages no longer match the column types; reading COPY text");
+            "binary pages cannot go on; reading COPY text");
         self.sql.page_format = CopyFormat::Text;
         self.prefetched = None;
     }
@@ -677,7 +677,10 @@ impl Reader {
             upper,
             page_size,
         );
-        let deletes = read_page(source, &self.sql, &statement, self.sql.page_format, false).await?;
+        // In the format the rows came in (text where one of their values had no binary form),
+        // so that the two join into one stream.
+        let deletes = read_page(source, &self.sql, &statement, rows.format, false).await?;
+        same_format(&rows, &deletes)?;
         if deletes.row_count < u64::from(page_size) {
             return Ok((Page::concat(rows, deletes, true)?, rows_full));
         }
@@ -693,9 +696,24 @@ impl Reader {
             Some((log_t, &log_key)),
             page_size,
         );
-        let rows = read_page(source, &self.sql, &statement, self.sql.page_format, false).await?;
+        let rows = read_page(source, &self.sql, &statement, deletes.format, false).await?;
+        same_format(&rows, &deletes)?;
         Ok((Page::concat(rows, deletes, false)?, true))
     }
+}
+
+/// Rows and delete-log entries join into one stream only in one format. A source that renders
+/// text answers a page in text where one of its values has no binary form; when only one of
+/// the two came so, the shard reads text from then on (`BinaryTypes`; nothing was staged).
+fn same_format(rows: &Page, deletes: &Page) -> Result<(), WorkerError> {
+    if rows.format == deletes.format {
+        return Ok(());
+    }
+    Err(WorkerError::BinaryTypes(format!(
+        "the rows came as COPY {} and the delete-log entries as COPY {}",
+        rows.format.name(),
+        deletes.format.name()
+    )))
 }
 
 impl ShardRun {

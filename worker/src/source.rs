@@ -6,7 +6,7 @@ use bytes::Bytes;
 use tidemark_common::copy_format::CopyFormat;
 use tidemark_common::cursor::KeyValue;
 use tidemark_common::pg::TableSql;
-use tidemark_common::source::SourcePool;
+use tidemark_common::source::{PageRequest, SourcePool};
 
 use crate::error::WorkerError;
 
@@ -39,7 +39,9 @@ impl Page {
     }
 }
 
-/// Reads one page. `target_layout`: the rows carry only the target's columns (no cursor time).
+/// Reads one page in `format`, or in text where the source answers a page in text (a value
+/// without an exact binary form). `target_layout`: the rows carry only the target's columns
+/// (no cursor time).
 pub async fn read_page(
     source: &SourcePool,
     sql: &TableSql,
@@ -47,19 +49,33 @@ pub async fn read_page(
     format: CopyFormat,
     target_layout: bool,
 ) -> Result<Page, WorkerError> {
-    let (data, types) = source.read_copy(statement, &sql.source).await?;
-    if let Some(types) = types {
-        crate::page_format::check_source(&types, sql, format)?;
+    let field_types: Vec<String> = sql
+        .payload_columns(false, target_layout)
+        .into_iter()
+        .map(|(_, sql_type)| sql_type)
+        .collect();
+    let page = source
+        .read_copy(
+            statement,
+            &sql.source,
+            PageRequest {
+                format,
+                field_types: &field_types,
+            },
+        )
+        .await?;
+    if let Some(types) = &page.types {
+        crate::page_format::check_source(types, sql, page.format)?;
     }
-    let rows = format.rows(&data).map_err(WorkerError::Data)?;
+    let rows = page.format.rows(&page.data).map_err(WorkerError::Data)?;
     let last = match rows.last() {
         None => None,
-        Some(row) => Some(decode_position(sql, format, row, target_layout)?),
+        Some(row) => Some(decode_position(sql, page.format, row, target_layout)?),
     };
     Ok(Page {
         row_count: rows.len() as u64,
-        data,
-        format,
+        data: page.data,
+        format: page.format,
         last,
     })
 }

@@ -24,6 +24,7 @@ use sqlx::Row;
 use tidemark_common::cursor::Cursor;
 use tidemark_proto::v1 as pb;
 use tidemark_proto::v1::worker_service_client::WorkerServiceClient;
+use tidemark_tests::usage::{box_ticks, process_usage};
 use tidemark_tests::{Cluster, KeyKind, TaskSettings, create_items};
 use tokio::sync::Mutex;
 use tonic::transport::Channel;
@@ -593,25 +594,6 @@ async fn run_shard(
     }
 }
 
-/// CPU seconds (user + system) and resident MiB (now, peak) of a process.
-fn process_usage(pid: u32) -> (f64, f64, f64) {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // After the command: state is field 0, utime 11, stime 12 (clock ticks of 1/100 s).
-    let cpu = (ticks(11) + ticks(12)) / 100.0;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kib = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (cpu, kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
-}
-
 /// The server's `pg_stat_wal`: records, bytes, writes, syncs, write and sync milliseconds
 /// (the times do not move unless `track_wal_io_timing` is on).
 async fn wal_stats(pool: &sqlx::PgPool) -> [f64; 6] {
@@ -623,22 +605,6 @@ async fn wal_stats(pool: &sqlx::PgPool) -> [f64; 6] {
     .await
     .unwrap_or_default();
     [row.0, row.1, row.2, row.3, row.4, row.5]
-}
-
-/// The machine's busy CPU time from `/proc/stat`, in clock ticks of 1/100 s.
-fn box_ticks() -> f64 {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let ticks: Vec<f64> = stat
-        .lines()
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    // user nice system idle iowait irq softirq steal: idle and iowait are not busy.
-    let all: f64 = ticks.iter().take(8).sum();
-    all - ticks.get(3).copied().unwrap_or(0.0) - ticks.get(4).copied().unwrap_or(0.0)
 }
 
 /// The text of an HTTP `/metrics` endpoint at `host:port` (empty when it does not answer).

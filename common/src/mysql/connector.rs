@@ -7,6 +7,7 @@ use sqlx::mysql::MySqlPool;
 
 use super::MySqlStatements;
 use super::reconcile::TargetStatements;
+use crate::copy_format::CopyFormat;
 use crate::cursor::{KeyValue, ShardRange};
 use crate::engines::Engine;
 use crate::pg::deletes::LogUpper;
@@ -14,8 +15,9 @@ use crate::pg::reconcile::Scope;
 use crate::pg::visibility::{PreparedTransaction, Visibility};
 use crate::pg::{ColumnTypes, TableName, TableSql};
 use crate::reconcile_reads::{BucketSums, KeyVersions, ReadError, SideReads};
-use crate::source::{PageStatements, Source, SourcePool, SourceReads, foreign_reads};
+use crate::source::{CopyPage, PageRequest, PageStatements, Source, SourcePool, SourceReads, foreign_reads};
 use crate::target::{Target, TargetPool};
+use crate::text_to_binary::FieldEncoder;
 
 pub static ENGINE: Engine = Engine {
     id: "mysql",
@@ -249,15 +251,48 @@ impl Source for MySqlSource {
         &self,
         statement: &str,
         _table: &TableName,
-    ) -> Result<(bytes::Bytes, Option<ColumnTypes>), sqlx::Error> {
-        Ok((
-            bytes::Bytes::from(super::read::copy_text(&self.pool, statement).await?.0),
-            None,
-        ))
+        page: PageRequest<'_>,
+    ) -> Result<CopyPage, sqlx::Error> {
+        let encoders: Option<Vec<FieldEncoder>> = match page.format {
+            CopyFormat::Binary => page.field_types.iter().map(|t| FieldEncoder::for_type(t)).collect(),
+            CopyFormat::Text => None,
+        };
+        if let Some(encoders) = encoders {
+            match super::read::copy_binary(&self.pool, statement, &encoders).await? {
+                (Ok(data), _) => {
+                    return Ok(CopyPage {
+                        data: data.into(),
+                        format: CopyFormat::Binary,
+                        types: None,
+                    });
+                }
+                (Err(why), row) => {
+                    tracing::debug!(row, reason = %why, "a value has no exact binary form; reading the page as COPY text")
+                }
+            }
+        }
+        Ok(CopyPage {
+            data: super::read::copy_text(&self.pool, statement).await?.0.into(),
+            format: CopyFormat::Text,
+            types: None,
+        })
     }
 
-    async fn binary_column_types(&self, _table: &TableName) -> Result<Option<ColumnTypes>, sqlx::Error> {
-        Ok(None)
+    /// The columns' mapped types, built in where a page can encode them in binary.
+    async fn binary_column_types(&self, table: &TableName) -> Result<Option<ColumnTypes>, sqlx::Error> {
+        let Some(columns) = super::types::columns(&self.pool, &table.schema, &table.name).await? else {
+            return Ok(Some(Vec::new()));
+        };
+        Ok(Some(
+            columns
+                .into_iter()
+                .filter_map(|column| {
+                    let mapped = column.target_type().ok()?;
+                    let encodable = FieldEncoder::for_type(&mapped).is_some();
+                    Some((column.name, mapped, encodable))
+                })
+                .collect(),
+        ))
     }
 
     fn reconcile_reads<'a>(

@@ -14,7 +14,7 @@ use super::{ColumnTypes, TableName, TableSql};
 use crate::cursor::{KeyValue, ShardRange};
 use crate::engines::Engine;
 use crate::reconcile_reads::{BucketSums, KeyVersions, ReadError, SideReads};
-use crate::source::{PageStatements, Source, SourcePool, SourceReads};
+use crate::source::{CopyPage, PageRequest, PageStatements, Source, SourcePool, SourceReads};
 use crate::target::{Target, TargetPool};
 
 pub static ENGINE: Engine = Engine {
@@ -227,7 +227,8 @@ impl Source for PgSource {
         &self,
         statement: &str,
         table: &TableName,
-    ) -> Result<(bytes::Bytes, Option<ColumnTypes>), sqlx::Error> {
+        page: PageRequest<'_>,
+    ) -> Result<CopyPage, sqlx::Error> {
         use futures::TryStreamExt;
         let mut conn = self.pool.acquire().await?;
         let mut stream = conn.copy_out_raw(statement).await?;
@@ -237,7 +238,12 @@ impl Source for PgSource {
         }
         drop(stream);
         let types = super::column_types(&mut *conn, table).await?;
-        Ok((buffer.freeze(), Some(types)))
+        Ok(CopyPage {
+            data: buffer.freeze(),
+            // The statement names the format (`COPY … TO STDOUT (FORMAT binary)`).
+            format: page.format,
+            types: Some(types),
+        })
     }
 
     async fn binary_column_types(&self, table: &TableName) -> Result<Option<ColumnTypes>, sqlx::Error> {
