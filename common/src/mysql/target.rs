@@ -177,15 +177,63 @@ fn is_type(pg_type: &str, names: &[&str]) -> bool {
     names.contains(&base_name(pg_type).as_str())
 }
 
+/// How a staged field of one PostgreSQL type is written as a MySQL literal; decided once per
+/// column, not per value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LiteralKind {
+    Bytea,
+    Boolean,
+    /// A `bit(n)` mapped to MySQL's `BIT(n)`.
+    Bit,
+    TimestampTz,
+    Text,
+}
+
+impl LiteralKind {
+    pub fn of(pg_type: &str) -> LiteralKind {
+        if is_type(pg_type, &["bytea"]) {
+            LiteralKind::Bytea
+        } else if is_type(pg_type, &["boolean", "bool"]) {
+            LiteralKind::Boolean
+        } else if is_type(pg_type, &["bit"]) && column_type(pg_type, false).starts_with("BIT") {
+            LiteralKind::Bit
+        } else if is_type(pg_type, &["timestamp with time zone", "timestamptz"]) {
+            LiteralKind::TimestampTz
+        } else {
+            LiteralKind::Text
+        }
+    }
+}
+
 /// One staged field (raw COPY text) as a MySQL literal of the column the type `pg_type`
 /// maps to. A field that cannot be decoded is the row's error; a value the column refuses
 /// (too long, out of range, a malformed date) is left for the server to refuse, in strict
 /// mode, as a row error.
 pub fn literal(pg_type: &str, raw: &[u8]) -> Result<String, RowError> {
-    let Some(bytes) = copy_text::decode_bytes(raw).map_err(|e| RowError::new("bad_copy_file_format", e))? else {
-        return Ok("NULL".into());
+    let mut out = String::new();
+    write_literal(LiteralKind::of(pg_type), raw, &mut out)?;
+    Ok(out)
+}
+
+/// [`literal`] appended to `out` (a statement being built), with the column's kind.
+pub fn write_literal(kind: LiteralKind, raw: &[u8], out: &mut String) -> Result<(), RowError> {
+    // Most fields carry no COPY escape: their bytes are the value.
+    let decoded;
+    let bytes: &[u8] = if raw.contains(&b'\\') {
+        match copy_text::decode_bytes(raw).map_err(|e| RowError::new("bad_copy_file_format", e))? {
+            None => {
+                out.push_str("NULL");
+                return Ok(());
+            }
+            Some(bytes) => {
+                decoded = bytes;
+                &decoded
+            }
+        }
+    } else {
+        raw
     };
-    if is_type(pg_type, &["bytea"]) {
+    if kind == LiteralKind::Bytea {
         let hex = bytes.strip_prefix(b"\\x").ok_or_else(|| {
             RowError::new(
                 "invalid_binary_representation",
@@ -198,30 +246,64 @@ pub fn literal(pg_type: &str, raw: &[u8]) -> Result<String, RowError> {
                 "bytea value has a bad hex digit".to_string(),
             ));
         }
-        return Ok(format!("X'{}'", String::from_utf8_lossy(hex)));
+        out.push_str("X'");
+        out.push_str(std::str::from_utf8(hex).expect("hex digits"));
+        out.push('\'');
+        return Ok(());
     }
-    let Ok(text) = std::str::from_utf8(&bytes) else {
+    let Ok(text) = std::str::from_utf8(bytes) else {
         // Bytes of another character set: the column converts them, or refuses the row.
-        return Ok(format!("X'{}'", hex::encode(&bytes)));
+        out.push_str("X'");
+        out.push_str(&hex::encode(bytes));
+        out.push('\'');
+        return Ok(());
     };
-    if is_type(pg_type, &["boolean", "bool"]) {
-        return Ok(match text {
-            "t" | "true" => "1".into(),
-            "f" | "false" => "0".into(),
-            other => quote_literal(other),
-        });
+    match kind {
+        LiteralKind::Boolean if matches!(text, "t" | "true") => out.push('1'),
+        LiteralKind::Boolean if matches!(text, "f" | "false") => out.push('0'),
+        LiteralKind::Bit => {
+            out.push('b');
+            push_quoted(text, out);
+        }
+        LiteralKind::TimestampTz => push_utc_time(text, out),
+        _ => push_quoted(text, out),
     }
-    if is_type(pg_type, &["bit"]) && column_type(pg_type, false).starts_with("BIT") {
-        return Ok(format!("b{}", quote_literal(text)));
+    Ok(())
+}
+
+/// `'text'`, quotes doubled (the whole escaping under `NO_BACKSLASH_ESCAPES`).
+fn push_quoted(text: &str, out: &mut String) {
+    out.push('\'');
+    for (i, part) in text.split('\'').enumerate() {
+        if i > 0 {
+            out.push_str("''");
+        }
+        out.push_str(part);
     }
-    if is_type(pg_type, &["timestamp with time zone", "timestamptz"])
-        && let Ok(instant) = chrono::DateTime::parse_from_str(text, "%Y-%m-%d %H:%M:%S%.f%#z")
+    out.push('\'');
+}
+
+/// A `timestamp with time zone` as the UTC `DATETIME` literal `'YYYY-MM-DD HH:MM:SS.ffffff'`;
+/// a text that does not parse is left for the server to refuse. PostgreSQL sources render it
+/// in UTC (`+00`), which is read without chrono.
+fn push_utc_time(text: &str, out: &mut String) {
+    if let Some(utc) = text.strip_suffix("+00")
+        && crate::text_to_binary::timestamp_micros(utc.as_bytes()).is_ok()
     {
-        return Ok(quote_literal(
-            &instant.naive_utc().format("%Y-%m-%d %H:%M:%S%.6f").to_string(),
-        ));
+        let (time, fraction) = utc.split_at(19);
+        out.push('\'');
+        out.push_str(time);
+        out.push('.');
+        let digits = fraction.strip_prefix('.').unwrap_or("");
+        out.push_str(digits);
+        out.extend(std::iter::repeat_n('0', 6 - digits.len()));
+        out.push('\'');
+        return;
     }
-    Ok(quote_literal(text))
+    match chrono::DateTime::parse_from_str(text, "%Y-%m-%d %H:%M:%S%.f%#z") {
+        Ok(instant) => push_quoted(&instant.naive_utc().format("%Y-%m-%d %H:%M:%S%.6f").to_string(), out),
+        Err(_) => push_quoted(text, out),
+    }
 }
 
 /// The target table, created from the source's columns (in their mapped types): the key as
@@ -333,11 +415,21 @@ pub fn upsert_statements(
         columns.join(", ")
     );
     let tail = upsert_tail(sql, read, &[]);
+    let kinds: Vec<LiteralKind> = types.iter().map(|t| LiteralKind::of(t)).collect();
     let mut statements = Vec::new();
     let mut current = String::new();
+    // The rows' bytes not yet written: a statement's buffer is sized once for what it will
+    // hold (literals add quotes and commas to the staged text).
+    let mut left: usize = rows.iter().map(|r| r.len() + 4).sum();
     for (index, row) in rows.iter().enumerate() {
         let mut fields = row.split(|b| *b == b'\t');
-        let mut values = Vec::with_capacity(width);
+        if current.is_empty() {
+            current.reserve((head.len() + left * 5 / 4 + tail.len()).min(STATEMENT_BYTES + STATEMENT_BYTES / 4));
+            current.push_str(&head);
+        } else {
+            current.push(',');
+        }
+        current.push('(');
         for position in 0..width {
             let raw = fields.next().ok_or_else(|| {
                 (
@@ -345,21 +437,18 @@ pub fn upsert_statements(
                     RowError::new("bad_copy_file_format", format!("row has fewer than {width} fields")),
                 )
             })?;
-            let value = if position < types.len() {
-                literal(types[position], raw)
+            if position > 0 {
+                current.push(',');
+            }
+            let written = if position < kinds.len() {
+                write_literal(kinds[position], raw, &mut current)
             } else {
-                version_literal(raw)
+                version_literal(raw).map(|v| current.push_str(&v))
             };
-            values.push(value.map_err(|e| (index, e))?);
+            written.map_err(|e| (index, e))?;
         }
-        if current.is_empty() {
-            current.push_str(&head);
-        } else {
-            current.push(',');
-        }
-        current.push('(');
-        current.push_str(&values.join(","));
         current.push(')');
+        left -= row.len() + 4;
         if current.len() >= STATEMENT_BYTES {
             current.push_str(&tail);
             statements.push(std::mem::take(&mut current));
