@@ -5,7 +5,15 @@
 
 /// Splits a COPY text stream into rows (without their trailing newline).
 pub fn rows(data: &[u8]) -> impl Iterator<Item = &[u8]> {
-    data.split(|b| *b == b'\n').filter(|line| !line.is_empty())
+    let mut start = 0;
+    memchr::memchr_iter(b'\n', data)
+        .chain(std::iter::once(data.len()))
+        .map(move |end| {
+            let line = &data[start..end];
+            start = end + 1;
+            line
+        })
+        .filter(|line| !line.is_empty())
 }
 
 /// The raw (still escaped) field at `index`; a raw tab is always a separator because tabs in
@@ -84,15 +92,27 @@ pub fn encode_field(text: &str, out: &mut Vec<u8>) {
 /// [`encode_field`] for bytes as a source sent them (a NUL byte passes through, and the
 /// target refuses it as a row).
 pub fn encode_bytes(text: &[u8], out: &mut Vec<u8>) {
-    for &byte in text {
-        match byte {
-            b'\\' => out.extend_from_slice(b"\\\\"),
-            b'\t' => out.extend_from_slice(b"\\t"),
-            b'\n' => out.extend_from_slice(b"\\n"),
-            b'\r' => out.extend_from_slice(b"\\r"),
-            other => out.push(other),
-        }
+    // Runs without a byte to escape are copied whole (most values are one such run).
+    let mut rest = text;
+    loop {
+        let special = memchr::memchr3(b'\\', b'\t', b'\n', rest);
+        let at = match memchr::memchr(b'\r', &rest[..special.unwrap_or(rest.len())]) {
+            Some(cr) => cr,
+            None => match special {
+                Some(at) => at,
+                None => break,
+            },
+        };
+        out.extend_from_slice(&rest[..at]);
+        out.extend_from_slice(match rest[at] {
+            b'\\' => b"\\\\",
+            b'\t' => b"\\t",
+            b'\n' => b"\\n",
+            _ => b"\\r",
+        });
+        rest = &rest[at + 1..];
     }
+    out.extend_from_slice(rest);
 }
 
 /// The NULL marker of a COPY text stream.
@@ -111,6 +131,29 @@ mod tests {
         assert_eq!(decode_field(raw_field(all[0], 2).unwrap()).unwrap(), None);
         assert_eq!(decode_field(raw_field(all[1], 1).unwrap()).unwrap().unwrap(), "x\ny");
         assert_eq!(decode_field(raw_field(all[1], 2).unwrap()).unwrap().unwrap(), "A");
+    }
+
+    #[test]
+    fn rows_split_at_newlines_and_skip_empty_lines() {
+        let all: Vec<&[u8]> = rows(b"a\tb\n\nc\nd").collect();
+        assert_eq!(all, vec![&b"a\tb"[..], b"c", b"d"]);
+        assert_eq!(rows(b"").count(), 0);
+        assert_eq!(rows(b"\n").count(), 0);
+    }
+
+    #[test]
+    fn encode_escapes_every_special_byte_wherever_it_is() {
+        for (text, escaped) in [
+            (&b"plain"[..], &b"plain"[..]),
+            (b"\r", b"\\r"),
+            (b"a\rb\tc\nd\\e", b"a\\rb\\tc\\nd\\\\e"),
+            (b"\n\r\t\\", b"\\n\\r\\t\\\\"),
+            (b"x\0y", b"x\0y"),
+        ] {
+            let mut out = Vec::new();
+            encode_bytes(text, &mut out);
+            assert_eq!(out, escaped, "{text:?}");
+        }
     }
 
     #[test]
