@@ -228,6 +228,7 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
     let secs = started.elapsed().as_secs_f64();
     let cpu = (box_ticks() - started_ticks) / 100.0;
     let worker_cpu: f64 = pids.iter().map(|p| process_usage(*p).0).sum();
+    let coordinator_cpu = cluster.coordinator.as_ref().map_or(0.0, |c| process_usage(c.child.id()).0);
     let rss: Vec<String> = pids.iter().map(|p| format!("{:.0}", crate::peak_rss_mib(*p))).collect();
     let target_check = match &target {
         Some(target) => mariadb_check(target).await,
@@ -250,7 +251,7 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
          tidemark snapshot: {secs:.1}s ({:.0} rows/s), {:.2}x the baseline; worker peak RSS {} MiB\n  \
          worker time per step (summed over workers): {}\n  \
          batches by COPY format: {}\n  \
-         CPU seconds, whole machine: baseline {base_cpu:.1}, tidemark {cpu:.1} (its workers {worker_cpu:.1}), {:.2}x\n  \
+         CPU seconds, whole machine: baseline {base_cpu:.1}, tidemark {cpu:.1} (its workers {worker_cpu:.1}, coordinator {coordinator_cpu:.1}), {:.2}x\n  \
          checked: count / sum(id) / sum(amount) = {source_check} on both sides",
         if into_mariadb { "MariaDB" } else { "PostgreSQL" },
         args.workers,
