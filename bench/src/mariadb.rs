@@ -228,7 +228,10 @@ pub async fn run(args: &Args) -> anyhow::Result<()> {
     let secs = started.elapsed().as_secs_f64();
     let cpu = (box_ticks() - started_ticks) / 100.0;
     let worker_cpu: f64 = pids.iter().map(|p| process_usage(*p).0).sum();
-    let coordinator_cpu = cluster.coordinator.as_ref().map_or(0.0, |c| process_usage(c.child.id()).0);
+    let coordinator_cpu = cluster
+        .coordinator
+        .as_ref()
+        .map_or(0.0, |c| process_usage(c.child.id()).0);
     let rss: Vec<String> = pids.iter().map(|p| format!("{:.0}", crate::peak_rss_mib(*p))).collect();
     let target_check = match &target {
         Some(target) => mariadb_check(target).await,
