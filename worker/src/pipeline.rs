@@ -397,10 +397,11 @@ impl ShardRun {
         Ok(())
     }
 
-    /// A column type changed under a binary read or apply: read text from now on.
+    /// A column type changed under a binary read or apply, or rows and delete-log entries
+    /// came in different formats: read text from now on.
     fn read_text(&mut self, reason: &str) {
         tracing::warn!(task = %self.task.name, shard = self.shard_id, reason,
-            "binary pages cannot go on; reading COPY text");
+            "reading COPY text from now on");
         self.sql.page_format = CopyFormat::Text;
         self.prefetched = None;
     }
