@@ -352,7 +352,12 @@ async fn binary_batches_dead_letter_rejected_rows_and_fall_back_to_text_on_a_typ
     assert_equal_except(&cluster, queries, &null_names, "after the retry").await;
 
     // A target column changes its type: binary batches no longer match it. They are abandoned
-    // and read again as text, and the changes still arrive.
+    // and read again as text, and the changes still arrive. First the overlap re-reads of the
+    // earlier writes end (the watermark 3 s past them, overlap 2 s), so that every batch
+    // staged from here on reads the changes below; counted before the change.
+    let settled = cluster.source_now_micros().await + 3_000_000;
+    cluster.wait_for_watermark(settled, Duration::from_secs(120)).await;
+    let formats = cluster.staged_formats();
     cluster
         .target
         .exec("ALTER TABLE items ALTER COLUMN amount TYPE numeric(14,2)")
