@@ -49,7 +49,9 @@ pub struct CoordinatorConfig {
     /// Key prefix under which leases and ownership live in etcd.
     #[serde(default = "default_etcd_prefix")]
     pub etcd_prefix: String,
-    /// PostgreSQL URL of the control database (created if it does not exist).
+    /// Where the control state lives: a PostgreSQL URL (the control database, created if it
+    /// does not exist), or `sqlite://PATH` for the embedded store, a file this coordinator
+    /// alone uses (with `leases = "in_process"`; what `tidemark sync` runs by default).
     pub control_db: String,
     /// The schema of the control database that holds Tidemark's control tables (created if
     /// it does not exist); default: the role's search path (`public`). Lets the control state
@@ -550,6 +552,20 @@ impl Config {
             }
             _ => {}
         }
+        if self.coordinator.control_db.starts_with("sqlite:") {
+            if self.coordinator.leases == LeaseStore::Etcd {
+                return Err(invalid(
+                    "coordinator.control_db is sqlite://, a file one coordinator uses: it goes with \
+                     leases = \"in_process\" (replicas with etcd leases share a PostgreSQL control_db)"
+                        .into(),
+                ));
+            }
+            if self.coordinator.control_schema.is_some() {
+                return Err(invalid(
+                    "coordinator.control_schema applies to a PostgreSQL control_db, not to sqlite://".into(),
+                ));
+            }
+        }
         if let Some(schema) = &self.coordinator.control_schema {
             let valid = !schema.is_empty()
                 && schema.len() <= 63
@@ -792,6 +808,32 @@ cursor_column = "updated_at"
         let error = Config::parse(&bad_schema, "t.toml", env).unwrap_err().to_string();
         assert!(
             error.contains("control_schema \"Tidemark-Items\" is not a lower-case identifier"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_sqlite_control_store_serves_one_coordinator() {
+        let etcdless = MINIMAL.replace("etcd_endpoints = [\"http://127.0.0.1:2379\"]", "");
+        let sqlite = etcdless.replace(
+            "control_db = \"postgres://postgres:${PGPASS}@127.0.0.1:5432/tidemark\"",
+            "control_db = \"sqlite://.tidemark/control.db\"\nleases = \"in_process\"",
+        );
+        let config = Config::parse(&sqlite, "t.toml", env).unwrap();
+        assert_eq!(config.coordinator.control_db, "sqlite://.tidemark/control.db");
+        let with_etcd = MINIMAL.replace(
+            "control_db = \"postgres://postgres:${PGPASS}@127.0.0.1:5432/tidemark\"",
+            "control_db = \"sqlite://.tidemark/control.db\"",
+        );
+        let error = Config::parse(&with_etcd, "t.toml", env).unwrap_err().to_string();
+        assert!(
+            error.contains("control_db is sqlite://, a file one coordinator uses"),
+            "{error}"
+        );
+        let with_schema = sqlite.replace("[coordinator]", "[coordinator]\ncontrol_schema = \"tidemark_items\"");
+        let error = Config::parse(&with_schema, "t.toml", env).unwrap_err().to_string();
+        assert!(
+            error.contains("control_schema applies to a PostgreSQL control_db"),
             "{error}"
         );
     }

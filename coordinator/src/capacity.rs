@@ -30,6 +30,9 @@ pub struct RunningShard {
 
 impl ControlDb {
     pub async fn running_shards(&self) -> Result<Vec<RunningShard>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.running_shards().await;
+        }
         let rows = sqlx::query(
             "SELECT c.task, c.epoch, c.shard_id, c.cursor, \
              extract(epoch from now() - coalesce(c.acquired_at, c.updated_at))::float8, \

@@ -15,6 +15,7 @@ use tidemark_common::pg::{Column, connect_options, quote_ident};
 use crate::batches::{self, Registration, Staged};
 use crate::error::{CoordinatorError, display_url};
 use crate::reconcile_runs::{ShardWork, shard_works_on};
+use crate::sqlite_control::SqliteControl;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/control");
 
@@ -154,7 +155,7 @@ pub struct CommitBatch {
 }
 
 /// What the checks on a locked checkpoint decided for one commit.
-enum Judged {
+pub(crate) enum Judged {
     /// A retry of a commit that already succeeded.
     Repeated(Committed),
     /// The commit may move the checkpoint from `version`.
@@ -165,7 +166,7 @@ enum Judged {
 ///
 /// A retry of a commit that already succeeded (its reply was lost) is recognised by the
 /// stored cursor and last batch id and answered with the current version.
-fn judge(commit: &CommitBatch, locked: LockedCheckpoint) -> Result<Judged, CoordinatorError> {
+pub(crate) fn judge(commit: &CommitBatch, locked: LockedCheckpoint) -> Result<Judged, CoordinatorError> {
     let LockedCheckpoint {
         cursor,
         version,
@@ -235,9 +236,56 @@ pub struct TaskStatusRow {
     pub shards: Vec<ShardStatusRow>,
 }
 
+/// The control state: a PostgreSQL database (`postgres://…`, the cluster's), or the embedded
+/// store (`sqlite://…`, see `crate::sqlite_control`). Both keep the same records under the
+/// same rules; the checks below (`checked_lock`, `judge`, `admit_registration`) are shared.
 #[derive(Clone)]
 pub struct ControlDb {
-    pool: PgPool,
+    store: Store,
+}
+
+#[derive(Clone)]
+enum Store {
+    Postgres(PgPool),
+    Sqlite(SqliteControl),
+}
+
+/// Holds the right to be the only coordinator on a control state (see
+/// [`ControlDb::hold_sole_coordinator`]) while it lives.
+pub enum SoleCoordinator {
+    Session(sqlx::PgConnection),
+    LockFile(Option<crate::sqlite_control::LockFile>),
+}
+
+/// A shard's checkpoint row with what the owner checks need (see `checked_lock`).
+pub(crate) struct CheckpointRow {
+    pub cursor: Cursor,
+    pub version: u64,
+    pub fence: u64,
+    pub last_batch_id: Option<String>,
+    pub paused_reason: Option<String>,
+    pub current_epoch: u64,
+    pub retired: bool,
+    pub release_requested: bool,
+    /// Its epoch runs (see the `running_epochs` view).
+    pub running: bool,
+}
+
+impl CheckpointRow {
+    /// From a row read by `LOCK_COLUMNS_FROM` (column 0 is the position in the group).
+    fn from_pg(row: &sqlx::postgres::PgRow) -> Result<CheckpointRow, CoordinatorError> {
+        Ok(CheckpointRow {
+            cursor: decode_cursor(row.get(1))?,
+            version: row.get::<i64, _>(2) as u64,
+            fence: row.get::<i64, _>(3) as u64,
+            last_batch_id: row.get(4),
+            paused_reason: row.get(5),
+            current_epoch: row.get::<i64, _>(6) as u64,
+            retired: row.get(7),
+            release_requested: row.get(8),
+            running: row.get(9),
+        })
+    }
 }
 
 fn decode_cursor(value: serde_json::Value) -> Result<Cursor, CoordinatorError> {
@@ -277,11 +325,11 @@ pub(crate) const LOCK_COLUMNS_FROM: &str = "SELECT g.i, c.cursor, c.version, c.f
      JOIN tasks t ON t.name = c.task \
      ORDER BY c.task, c.epoch, c.shard_id FOR UPDATE OF c";
 
-/// The checks of a change by the shard's owner on its locked row (`LOCK_COLUMNS_FROM`):
-/// the shard exists, `fence` is current, the shard is not retired, its epoch runs, and the
-/// task is not paused, refused in that order.
-fn checked_lock(
-    row: Option<&sqlx::postgres::PgRow>,
+/// The checks of a change by the shard's owner on its locked row: the shard exists, `fence`
+/// is current, the shard is not retired, its epoch runs, and the task is not paused, refused
+/// in that order.
+pub(crate) fn checked_lock(
+    row: Option<CheckpointRow>,
     shard: &ShardKey,
     fence: u64,
 ) -> Result<LockedCheckpoint, CoordinatorError> {
@@ -291,52 +339,47 @@ fn checked_lock(
             shard.shard_id, shard.epoch, shard.task
         ))
     })?;
-    let current_fence = row.get::<i64, _>(3) as u64;
-    if current_fence != fence {
+    if row.fence != fence {
         return Err(CoordinatorError::Fenced {
             task: shard.task.clone(),
             shard: shard.shard_id,
-            current: current_fence,
+            current: row.fence,
             given: fence,
         });
     }
-    let current_epoch = row.get::<i64, _>(6) as u64;
-    if row.get::<bool, _>(7) {
+    if row.retired {
         return Err(CoordinatorError::ShardRetired {
             task: shard.task.clone(),
             shard: shard.shard_id,
         });
     }
-    if !row.get::<bool, _>(9) {
+    if !row.running {
         return Err(CoordinatorError::EpochSuperseded {
             task: shard.task.clone(),
             epoch: shard.epoch,
-            current: current_epoch,
+            current: row.current_epoch,
         });
     }
-    if let Some(reason) = row.get::<Option<String>, _>(5) {
+    if let Some(reason) = row.paused_reason {
         return Err(CoordinatorError::Paused {
             task: shard.task.clone(),
             reason,
         });
     }
     Ok(LockedCheckpoint {
-        cursor: decode_cursor(row.get(1))?,
-        version: row.get::<i64, _>(2) as u64,
-        last_batch_id: row.get(4),
-        release_requested: row.get(8),
+        cursor: row.cursor,
+        version: row.version,
+        last_batch_id: row.last_batch_id,
+        release_requested: row.release_requested,
     })
 }
 
-/// A registration's answer from what its statement found; `None`: neither inserted nor
-/// found (see `register_batches`).
-fn judge_registration(batch: &RegisterBatch, registered: batches::Registered) -> Option<Result<(), CoordinatorError>> {
-    let cursor = match checked_lock(registered.checkpoint.as_ref(), &batch.shard, batch.fence) {
-        Ok(locked) => locked.cursor,
-        Err(refused) => return Some(Err(refused)),
-    };
+/// Whether the shard's checkpoint admits registering `batch`: the owner checks, and its lower
+/// bound is the committed cursor.
+pub(crate) fn admit_registration(batch: &RegisterBatch, row: Option<CheckpointRow>) -> Result<(), CoordinatorError> {
+    let cursor = checked_lock(row, &batch.shard, batch.fence)?.cursor;
     if cursor != batch.lower {
-        return Some(Err(CoordinatorError::CheckpointConflict {
+        return Err(CoordinatorError::CheckpointConflict {
             task: batch.shard.task.clone(),
             shard: batch.shard.shard_id,
             message: format!(
@@ -344,21 +387,38 @@ fn judge_registration(batch: &RegisterBatch, registered: batches::Registered) ->
                 batch.lower.describe(),
                 cursor.describe()
             ),
-        }));
+        });
     }
-    if registered.inserted {
-        return Some(Ok(()));
-    }
-    let (hash, state) = registered.existing?;
-    // Registered before (a retry whose answer was lost, or a replay): the same content is
-    // the same batch; other content under its id is refused.
+    Ok(())
+}
+
+/// A batch id registered before (a retry whose answer was lost, or a replay), found as
+/// (content hash, state): the same content is the same batch; other content under its id is
+/// refused.
+pub(crate) fn judge_existing(batch: &RegisterBatch, (hash, state): (String, String)) -> Result<(), CoordinatorError> {
     if hash != batch.content_hash {
-        return Some(Err(CoordinatorError::Batch {
+        return Err(CoordinatorError::Batch {
             batch_id: batch.batch_id.clone(),
             message: format!("already registered ({state}) with content {hash}; replay the staged batch"),
-        }));
+        });
     }
-    Some(Ok(()))
+    Ok(())
+}
+
+/// A registration's answer from what its statement found; `None`: neither inserted nor
+/// found (see `register_batches`).
+fn judge_registration(
+    batch: &RegisterBatch,
+    registered: batches::Registered,
+) -> Result<Option<Result<(), CoordinatorError>>, CoordinatorError> {
+    let row = registered.checkpoint.as_ref().map(CheckpointRow::from_pg).transpose()?;
+    if let Err(refused) = admit_registration(batch, row) {
+        return Ok(Some(Err(refused)));
+    }
+    if registered.inserted {
+        return Ok(Some(Ok(())));
+    }
+    Ok(registered.existing.map(|existing| judge_existing(batch, existing)))
 }
 
 impl ControlDb {
@@ -367,6 +427,17 @@ impl ControlDb {
     /// `schema`: the schema that holds the control tables (created when missing); `None`:
     /// the role's search path.
     pub async fn connect(url: &str, schema: Option<&str>) -> Result<ControlDb, CoordinatorError> {
+        if crate::sqlite_control::is_sqlite_url(url) {
+            if schema.is_some() {
+                return Err(CoordinatorError::InvalidRequest(
+                    "control_schema applies to a PostgreSQL control database, not to sqlite://".into(),
+                ));
+            }
+            let store = SqliteControl::open(url).await?;
+            return Ok(ControlDb {
+                store: Store::Sqlite(store),
+            });
+        }
         let mut options = connect_options(url, "tidemark-coordinator").map_err(CoordinatorError::InvalidRequest)?;
         if let Some(schema) = schema {
             options = options.options([("search_path", schema)]);
@@ -409,18 +480,41 @@ impl ControlDb {
             .run(&pool)
             .await
             .map_err(|e| CoordinatorError::ControlDb(sqlx::Error::Migrate(Box::new(e))))?;
-        Ok(ControlDb { pool })
+        Ok(ControlDb {
+            store: Store::Postgres(pool),
+        })
     }
 
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
+    /// The PostgreSQL control database. Every method answers for the embedded store before
+    /// it gets here (`lite`).
+    pub(crate) fn pool(&self) -> &PgPool {
+        match &self.store {
+            Store::Postgres(pool) => pool,
+            Store::Sqlite(_) => unreachable!("a statement for PostgreSQL on the embedded control store"),
+        }
+    }
+
+    /// The embedded store, when the control state is one.
+    pub(crate) fn lite(&self) -> Option<&SqliteControl> {
+        match &self.store {
+            Store::Postgres(_) => None,
+            Store::Sqlite(store) => Some(store),
+        }
+    }
+
+    /// Whether the control state is the embedded store.
+    pub fn is_embedded(&self) -> bool {
+        self.lite().is_some()
     }
 
     /// Makes this the only coordinator on this control state, for as long as the returned
     /// session lives (in-process leases have no election: a second one would hand out the
     /// same shards).
-    pub async fn hold_sole_coordinator(&self) -> Result<sqlx::PgConnection, CoordinatorError> {
-        let mut session = self.pool.acquire().await?;
+    pub async fn hold_sole_coordinator(&self) -> Result<SoleCoordinator, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return Ok(SoleCoordinator::LockFile(lite.hold_sole_coordinator()?));
+        }
+        let mut session = self.pool().acquire().await?;
         let held: bool = sqlx::query_scalar(
             "SELECT pg_try_advisory_lock(hashtextextended('tidemark sole coordinator ' || current_schema(), 0))",
         )
@@ -434,13 +528,16 @@ impl ControlDb {
             ));
         }
         // The session holds the lock: it leaves the pool, which would close it when idle.
-        Ok(session.detach())
+        Ok(SoleCoordinator::Session(session.detach()))
     }
 
     /// The largest fence token any shard ever recorded: in-process leases count on from it.
     pub async fn max_fence(&self) -> Result<u64, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.max_fence().await;
+        }
         let fence: i64 = sqlx::query_scalar("SELECT coalesce(max(fence), 0) FROM checkpoints")
-            .fetch_one(&self.pool)
+            .fetch_one(self.pool())
             .await?;
         Ok(fence as u64)
     }
@@ -458,24 +555,30 @@ impl ControlDb {
     }
 
     async fn epoch_where(&self, task: &str, condition: &str) -> Result<Option<EpochRecord>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.epoch_where(task, condition).await;
+        }
         let query = format!(
             "SELECT e.epoch, e.schema_id, e.columns, e.h0_max_key, e.incremental_start, e.cursor_zone, \
              e.source_table_id FROM tasks t JOIN epochs e ON e.task = t.name AND {condition} WHERE t.name = $1"
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(query))
             .bind(task)
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.pool())
             .await?;
         row.map(|row| epoch_from(&row, 0)).transpose()
     }
 
     /// The planner's row estimate for an epoch.
     pub async fn estimated_rows(&self, task: &str, epoch: u64) -> Result<Option<u64>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.estimated_rows(task, epoch).await;
+        }
         Ok(
             sqlx::query_scalar::<_, Option<i64>>("SELECT estimated_rows FROM epochs WHERE task = $1 AND epoch = $2")
                 .bind(task)
                 .bind(epoch as i64)
-                .fetch_optional(&self.pool)
+                .fetch_optional(self.pool())
                 .await?
                 .flatten()
                 .map(|n| n.max(0) as u64),
@@ -485,7 +588,10 @@ impl ControlDb {
     /// Writes a planned epoch with its shards, unless another coordinator already did: the
     /// task row's primary key decides, and the loser reads the winner's plan.
     pub async fn create_epoch(&self, plan: &EpochPlan) -> Result<bool, CoordinatorError> {
-        let mut tx = self.pool.begin().await?;
+        if let Some(lite) = self.lite() {
+            return lite.create_epoch(plan).await;
+        }
+        let mut tx = self.pool().begin().await?;
         let inserted =
             sqlx::query("INSERT INTO tasks (name, current_epoch) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
                 .bind(&plan.task)
@@ -507,7 +613,10 @@ impl ControlDb {
     /// shards are refused from now on), and the pause is cleared. Returns false when the
     /// epoch already exists (another reinit won).
     pub async fn switch_epoch(&self, plan: &EpochPlan) -> Result<bool, CoordinatorError> {
-        let mut tx = self.pool.begin().await?;
+        if let Some(lite) = self.lite() {
+            return lite.switch_epoch(plan).await;
+        }
+        let mut tx = self.pool().begin().await?;
         let current: i64 = sqlx::query_scalar("SELECT current_epoch FROM tasks WHERE name = $1 FOR UPDATE")
             .bind(&plan.task)
             .fetch_one(&mut *tx)
@@ -540,16 +649,11 @@ impl ControlDb {
     /// snapshot counts with the epoch's incremental start, where its incremental reading
     /// begins).
     pub async fn epoch_floor(&self, task: &str, epoch: &EpochRecord) -> Result<Option<i64>, CoordinatorError> {
-        let cursors: Vec<serde_json::Value> =
-            sqlx::query_scalar("SELECT cursor FROM checkpoints WHERE task = $1 AND epoch = $2 AND NOT retired")
-                .bind(task)
-                .bind(epoch.epoch as i64)
-                .fetch_all(&self.pool)
-                .await?;
+        let cursors = self.epoch_cursors(task, epoch.epoch).await?;
         let start = epoch.incremental_start.incremental_time();
         let mut floor: Option<i64> = None;
         for cursor in cursors {
-            let shard = decode_cursor(cursor)?.incremental_time().or(start);
+            let shard = cursor.incremental_time().or(start);
             floor = match (floor, shard) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
@@ -573,7 +677,12 @@ impl ControlDb {
         columns: &serde_json::Value,
         reread_from_micros: i64,
     ) -> Result<bool, CoordinatorError> {
-        let mut tx = self.pool.begin().await?;
+        if let Some(lite) = self.lite() {
+            return lite
+                .evolve_epoch(task, epoch, old_schema_id, schema_id, columns, reread_from_micros)
+                .await;
+        }
+        let mut tx = self.pool().begin().await?;
         let changed = sqlx::query(
             "UPDATE epochs SET schema_id = $4, columns = $5 WHERE task = $1 AND epoch = $2 AND schema_id = $3",
         )
@@ -664,6 +773,9 @@ impl ControlDb {
     /// a verdict reached on an epoch that `tasks reinit` replaced meanwhile is not the new
     /// epoch's (its next check decides).
     pub async fn pause_epoch(&self, task: &str, epoch: u64, reason: &str) -> Result<bool, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.pause_epoch(task, epoch, reason).await;
+        }
         let updated = sqlx::query(
             "UPDATE tasks SET paused_reason = $3 WHERE name = $1 AND paused_reason IS NULL \
              AND coalesce(building_epoch, current_epoch) = $2",
@@ -671,17 +783,20 @@ impl ControlDb {
         .bind(task)
         .bind(epoch as i64)
         .bind(reason)
-        .execute(&self.pool)
+        .execute(self.pool())
         .await?
         .rows_affected();
         Ok(updated == 1)
     }
 
     pub async fn pause_task(&self, task: &str, reason: &str) -> Result<bool, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.pause_task(task, reason).await;
+        }
         let updated = sqlx::query("UPDATE tasks SET paused_reason = $2 WHERE name = $1 AND paused_reason IS NULL")
             .bind(task)
             .bind(reason)
-            .execute(&self.pool)
+            .execute(self.pool())
             .await?
             .rows_affected();
         Ok(updated == 1)
@@ -690,7 +805,10 @@ impl ControlDb {
     /// Clears a pause. The source clock's high-water mark starts afresh, so a clock that was
     /// reset on purpose does not pause the task again at once.
     pub async fn resume_task(&self, task: &str) -> Result<bool, CoordinatorError> {
-        let mut tx = self.pool.begin().await?;
+        if let Some(lite) = self.lite() {
+            return lite.resume_task(task).await;
+        }
+        let mut tx = self.pool().begin().await?;
         let updated = sqlx::query(
             "UPDATE tasks SET paused_reason = NULL, max_source_clock_micros = NULL, resumed_at = now() WHERE name = $1",
         )
@@ -709,19 +827,25 @@ impl ControlDb {
 
     /// Records why the source holds the task's watermark (`None`: it does not).
     pub async fn set_source_hold(&self, task: &str, hold: Option<&str>) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.set_source_hold(task, hold).await;
+        }
         sqlx::query("UPDATE tasks SET source_hold = $2 WHERE name = $1 AND source_hold IS DISTINCT FROM $2")
             .bind(task)
             .bind(hold)
-            .execute(&self.pool)
+            .execute(self.pool())
             .await?;
         Ok(())
     }
 
     pub async fn paused_reason(&self, task: &str) -> Result<Option<String>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.paused_reason(task).await;
+        }
         Ok(
             sqlx::query_scalar::<_, Option<String>>("SELECT paused_reason FROM tasks WHERE name = $1")
                 .bind(task)
-                .fetch_optional(&self.pool)
+                .fetch_optional(self.pool())
                 .await?
                 .flatten(),
         )
@@ -729,6 +853,9 @@ impl ControlDb {
 
     /// Records a source clock reading; returns the highest reading seen before it.
     pub async fn record_source_clock(&self, task: &str, now_micros: i64) -> Result<Option<i64>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.record_source_clock(task, now_micros).await;
+        }
         let previous: Option<i64> = sqlx::query_scalar(
             "WITH old AS (SELECT max_source_clock_micros AS m FROM tasks WHERE name = $1 FOR UPDATE) \
              UPDATE tasks SET max_source_clock_micros = GREATEST(coalesce((SELECT m FROM old), $2), $2) \
@@ -736,7 +863,7 @@ impl ControlDb {
         )
         .bind(task)
         .bind(now_micros)
-        .fetch_optional(&self.pool)
+        .fetch_optional(self.pool())
         .await?
         .flatten();
         Ok(previous)
@@ -745,23 +872,34 @@ impl ControlDb {
     /// The committed key positions (snapshot and append cursors) of a task's current epoch.
     /// The committed cursors of the epoch's live shards.
     pub async fn committed_key_positions(&self, task: &str, epoch: u64) -> Result<Vec<Cursor>, CoordinatorError> {
+        self.epoch_cursors(task, epoch).await
+    }
+
+    /// The committed cursors of the epoch's live (not retired) shards.
+    pub async fn epoch_cursors(&self, task: &str, epoch: u64) -> Result<Vec<Cursor>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.epoch_cursors(task, epoch).await;
+        }
         let rows: Vec<serde_json::Value> =
             sqlx::query_scalar("SELECT cursor FROM checkpoints WHERE task = $1 AND epoch = $2 AND NOT retired")
                 .bind(task)
                 .bind(epoch as i64)
-                .fetch_all(&self.pool)
+                .fetch_all(self.pool())
                 .await?;
         rows.into_iter().map(decode_cursor).collect()
     }
 
     pub async fn lateness(&self, task: &str, epoch: u64) -> Result<Lateness, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.lateness(task, epoch).await;
+        }
         let row = sqlx::query(
             "SELECT count(*), coalesce(percentile_disc(0.99) WITHIN GROUP (ORDER BY lateness_micros), 0)::bigint, \
              coalesce(max(lateness_micros), 0)::bigint FROM late_rows WHERE task = $1 AND epoch = $2",
         )
         .bind(task)
         .bind(epoch as i64)
-        .fetch_one(&self.pool)
+        .fetch_one(self.pool())
         .await?;
         Ok(Lateness {
             count: row.get::<i64, _>(0) as u64,
@@ -793,6 +931,9 @@ impl ControlDb {
         tasks: &[String],
         among: Option<&[ShardKey]>,
     ) -> Result<Vec<Candidate>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.candidates(tasks, among).await;
+        }
         let among_join = if among.is_some() {
             "JOIN unnest($2::text[], $3::bigint[], $4::int[]) AS f(task, epoch, shard_id) \
              ON f.task = c.task AND f.epoch = c.epoch AND f.shard_id = c.shard_id "
@@ -814,7 +955,7 @@ impl ControlDb {
                 .bind(shards.iter().map(|s| s.epoch as i64).collect::<Vec<_>>())
                 .bind(shards.iter().map(|s| s.shard_id as i32).collect::<Vec<_>>());
         }
-        let rows = query.fetch_all(&self.pool).await?;
+        let rows = query.fetch_all(self.pool()).await?;
         Ok(rows
             .into_iter()
             .map(|row| Candidate {
@@ -834,6 +975,9 @@ impl ControlDb {
     /// claimed shard comes with what its assignment needs: the staged, uncommitted batch that
     /// starts at its committed cursor (if any) and its epoch, if it still runs.
     pub async fn claim_shards(&self, group: &[Claim]) -> Result<Vec<Option<Claimed>>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.claim_shards(group).await;
+        }
         // The rows are locked in key order first, as every group does (`LOCK_COLUMNS_FROM`), so
         // that two groups never wait on each other in a cycle.
         let rows = sqlx::query(
@@ -864,7 +1008,7 @@ impl ControlDb {
         .bind(group.iter().map(|c| c.shard.shard_id as i32).collect::<Vec<_>>())
         .bind(group.iter().map(|c| c.fence as i64).collect::<Vec<_>>())
         .bind(group.iter().map(|c| c.owner.as_str()).collect::<Vec<_>>())
-        .fetch_all(&self.pool)
+        .fetch_all(self.pool())
         .await?;
         let mut answers: Vec<Option<Claimed>> = group.iter().map(|_| None).collect();
         for row in rows {
@@ -913,7 +1057,7 @@ impl ControlDb {
             .bind(vec![shard.shard_id as i32])
             .fetch_optional(&mut *conn)
             .await?;
-        checked_lock(row.as_ref(), shard, fence)
+        checked_lock(row.as_ref().map(CheckpointRow::from_pg).transpose()?, shard, fence)
     }
 
     /// Records staged batches of distinct shards, in one statement (issue 20). Their bounds
@@ -923,8 +1067,11 @@ impl ControlDb {
         &self,
         group: &[RegisterBatch],
     ) -> Result<Vec<Result<(), CoordinatorError>>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.register_batches(group).await;
+        }
         let mut answers: Vec<Option<Result<(), CoordinatorError>>> = group.iter().map(|_| None).collect();
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.pool().acquire().await?;
         // A second statement only for a batch whose registration of the same id raced this
         // one and committed while it waited for the checkpoint's lock, so that it was not
         // yet visible to the statement's read of `existing`.
@@ -952,7 +1099,7 @@ impl ControlDb {
                 .collect();
             let registered = batches::register(&mut conn, &registrations).await?;
             for (&i, registered) in pending.iter().zip(registered) {
-                answers[i] = judge_registration(&group[i], registered);
+                answers[i] = judge_registration(&group[i], registered)?;
             }
         }
         Ok(group
@@ -979,11 +1126,14 @@ impl ControlDb {
         &self,
         group: &[CommitBatch],
     ) -> Result<Vec<Result<Committed, CoordinatorError>>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.commit_batches(group).await;
+        }
         debug_assert!(
             group.iter().map(|c| &c.shard).collect::<HashSet<_>>().len() == group.len(),
             "a commit group holds distinct shards"
         );
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         let rows = sqlx::query(LOCK_COLUMNS_FROM)
             .bind(group.iter().map(|c| c.shard.task.as_str()).collect::<Vec<_>>())
             .bind(group.iter().map(|c| c.shard.epoch as i64).collect::<Vec<_>>())
@@ -996,8 +1146,12 @@ impl ControlDb {
             .iter()
             .enumerate()
             .map(|(i, commit)| {
-                checked_lock(locked.remove(&(i as i64 + 1)).as_ref(), &commit.shard, commit.fence)
-                    .and_then(|row| judge(commit, row))
+                let row = locked
+                    .remove(&(i as i64 + 1))
+                    .as_ref()
+                    .map(CheckpointRow::from_pg)
+                    .transpose()?;
+                checked_lock(row, &commit.shard, commit.fence).and_then(|row| judge(commit, row))
             })
             .collect();
         let with_rows: Vec<batches::Commit> = group
@@ -1134,7 +1288,10 @@ impl ControlDb {
     /// checkpoint version, so that the next read of the same bounds gets a new batch id.
     /// Returns the new version.
     pub async fn abandon_batch(&self, shard: &ShardKey, fence: u64, batch_id: &str) -> Result<u64, CoordinatorError> {
-        let mut tx = self.pool.begin().await?;
+        if let Some(lite) = self.lite() {
+            return lite.abandon_batch(shard, fence, batch_id).await;
+        }
+        let mut tx = self.pool().begin().await?;
         Self::lock_checkpoint(tx.acquire().await?, shard, fence).await?;
         batches::abandon(&mut tx, Staged::Batch { batch_id, shard }).await?;
         let version: i64 = sqlx::query_scalar(
@@ -1162,6 +1319,9 @@ impl ControlDb {
         owner: &str,
         failure: &str,
     ) -> Result<u32, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.record_failure(shard, fence, owner, failure).await;
+        }
         let count: Option<i32> = sqlx::query_scalar(
             "UPDATE checkpoints SET failures = CASE WHEN last_failure = $6 THEN failures + 1 ELSE 1 END, \
              last_failure = $6 WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence = $4 AND owner = $5 \
@@ -1173,7 +1333,7 @@ impl ControlDb {
         .bind(fence as i64)
         .bind(owner)
         .bind(failure)
-        .fetch_optional(&self.pool)
+        .fetch_optional(self.pool())
         .await?;
         Ok(count.unwrap_or(0).max(0) as u32)
     }
@@ -1185,6 +1345,9 @@ impl ControlDb {
         owner: &str,
         reason: &str,
     ) -> Result<bool, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.pause_for_owner(shard, fence, owner, reason).await;
+        }
         let paused = sqlx::query(
             "UPDATE tasks t SET paused_reason = $6 WHERE t.name = $1 AND t.paused_reason IS NULL AND EXISTS ( \
                SELECT 1 FROM checkpoints c WHERE c.task = $1 AND c.epoch = $2 AND c.shard_id = $3 AND c.fence = $4 \
@@ -1196,7 +1359,7 @@ impl ControlDb {
         .bind(fence as i64)
         .bind(owner)
         .bind(reason)
-        .execute(&self.pool)
+        .execute(self.pool())
         .await?
         .rows_affected();
         Ok(paused == 1)
@@ -1205,12 +1368,16 @@ impl ControlDb {
     /// The source columns (and their types) of a task's epoch, as frozen when the epoch was
     /// planned; `None` for an epoch the control database does not know.
     pub async fn epoch_columns(&self, task: &str, epoch: i64) -> Result<Option<Vec<Column>>, CoordinatorError> {
-        let columns: Option<serde_json::Value> =
-            sqlx::query_scalar("SELECT columns FROM epochs WHERE task = $1 AND epoch = $2")
-                .bind(task)
-                .bind(epoch)
-                .fetch_optional(&self.pool)
-                .await?;
+        let columns: Option<serde_json::Value> = match self.lite() {
+            Some(lite) => lite.epoch_columns(task, epoch).await?,
+            None => {
+                sqlx::query_scalar("SELECT columns FROM epochs WHERE task = $1 AND epoch = $2")
+                    .bind(task)
+                    .bind(epoch)
+                    .fetch_optional(self.pool())
+                    .await?
+            }
+        };
         columns
             .map(|value| {
                 stored_columns(value).map_err(|e| {
@@ -1221,6 +1388,9 @@ impl ControlDb {
     }
 
     pub async fn release(&self, shard: &ShardKey, fence: u64, owner: &str) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.release(shard, fence, owner).await;
+        }
         sqlx::query(
             "UPDATE checkpoints SET owner = NULL WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence = $4 AND owner = $5",
         )
@@ -1229,19 +1399,22 @@ impl ControlDb {
         .bind(shard.shard_id as i32)
         .bind(fence as i64)
         .bind(owner)
-        .execute(&self.pool)
+        .execute(self.pool())
         .await?;
         Ok(())
     }
 
     pub async fn status(&self) -> Result<Vec<TaskStatusRow>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.status().await;
+        }
         let rows = sqlx::query(
             "SELECT t.name, t.current_epoch, t.paused_reason, c.shard_id, c.range, c.phase, c.cursor, c.rows_applied, \
              t.source_hold \
              FROM tasks t JOIN checkpoints c ON c.task = t.name AND c.epoch = t.current_epoch \
              WHERE NOT c.retired ORDER BY t.name, c.shard_id",
         )
-        .fetch_all(&self.pool)
+        .fetch_all(self.pool())
         .await?;
         let mut tasks: Vec<TaskStatusRow> = Vec::new();
         for row in rows {

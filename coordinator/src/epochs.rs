@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use sqlx::Row;
 use tidemark_common::config::SwitchMode;
-use tidemark_common::cursor::{Cursor, format_micros};
+use tidemark_common::cursor::format_micros;
 use tidemark_common::pg::TableName;
 use tidemark_proto::v1 as pb;
 
@@ -69,6 +69,9 @@ fn bad(message: String) -> CoordinatorError {
 impl ControlDb {
     /// The epoch a new `tasks reinit` plans: above every epoch the task ever had.
     pub async fn next_epoch(&self, task: &str) -> Result<u64, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.next_epoch(task).await;
+        }
         let max: Option<i64> = sqlx::query_scalar("SELECT max(epoch) FROM epochs WHERE task = $1")
             .bind(task)
             .fetch_one(self.pool())
@@ -77,6 +80,9 @@ impl ControlDb {
     }
 
     pub async fn lifecycle(&self, task: &str) -> Result<Option<Lifecycle>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.lifecycle(task).await;
+        }
         let Some(row) = sqlx::query(
             "SELECT t.current_epoch, t.building_epoch, t.swap_to, e.frozen, t.swap_error FROM tasks t \
              JOIN epochs e ON e.task = t.name AND e.epoch = t.current_epoch WHERE t.name = $1",
@@ -152,6 +158,9 @@ impl ControlDb {
         freeze_live: bool,
         deferred: &[String],
     ) -> Result<bool, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.begin_building(plan, freeze_live, deferred).await;
+        }
         let mut tx = self.pool().begin().await?;
         let row = sqlx::query("SELECT current_epoch, building_epoch, swap_to FROM tasks WHERE name = $1 FOR UPDATE")
             .bind(&plan.task)
@@ -203,17 +212,11 @@ impl ControlDb {
     /// Whether every shard of the epoch reads incrementally, and the epoch's watermark (the
     /// lowest committed incremental time) when they all do.
     pub async fn epoch_progress(&self, task: &str, epoch: u64) -> Result<(bool, Option<i64>), CoordinatorError> {
-        let cursors: Vec<serde_json::Value> =
-            sqlx::query_scalar("SELECT cursor FROM checkpoints WHERE task = $1 AND epoch = $2 AND NOT retired")
-                .bind(task)
-                .bind(epoch as i64)
-                .fetch_all(self.pool())
-                .await?;
+        let cursors = self.epoch_cursors(task, epoch).await?;
         let mut watermark: Option<i64> = None;
         let mut timed = true;
         let mut any = false;
         for cursor in cursors {
-            let cursor = Cursor::decode(&cursor.to_string()).map_err(|e| bad(e.to_string()))?;
             if !cursor.is_incremental() {
                 return Ok((false, None));
             }
@@ -233,6 +236,9 @@ impl ControlDb {
         assignments: &str,
         value: Option<i64>,
     ) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.update_epoch(task, epoch, assignments, "'building'", value).await;
+        }
         let statement =
             format!("UPDATE epochs SET {assignments} WHERE task = $1 AND epoch = $2 AND state = 'building'");
         sqlx::query(sqlx::AssertSqlSafe(statement))
@@ -245,6 +251,9 @@ impl ControlDb {
     }
 
     async fn set_swap_error(&self, task: &str, error: &str) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.set_swap_error(task, error).await;
+        }
         sqlx::query("UPDATE tasks SET swap_error = $2 WHERE name = $1 AND swap_to IS NOT NULL")
             .bind(task)
             .bind(error)
@@ -255,6 +264,9 @@ impl ControlDb {
 
     /// The statements deferred to after the epoch's snapshot (see `TargetSide::build_epoch`).
     async fn deferred_ddl(&self, task: &str, epoch: u64) -> Result<Vec<String>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.deferred_ddl(task, epoch).await;
+        }
         let value: serde_json::Value =
             sqlx::query_scalar("SELECT deferred_ddl FROM epochs WHERE task = $1 AND epoch = $2")
                 .bind(task)
@@ -266,6 +278,9 @@ impl ControlDb {
 
     /// `UPDATE epochs SET {set}` for one epoch, while its state is one of `states`.
     async fn update_epoch(&self, task: &str, epoch: u64, set: &str, states: &str) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.update_epoch(task, epoch, set, states, None).await;
+        }
         let statement = format!("UPDATE epochs SET {set} WHERE task = $1 AND epoch = $2 AND state IN ({states})");
         sqlx::query(sqlx::AssertSqlSafe(statement))
             .bind(task)
@@ -303,6 +318,9 @@ impl ControlDb {
     }
 
     async fn set_blocked(&self, task: &str, epoch: u64, reason: &str) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.set_blocked(task, epoch, reason).await;
+        }
         sqlx::query("UPDATE epochs SET blocked_reason = $3 WHERE task = $1 AND epoch = $2 AND state = 'building'")
             .bind(task)
             .bind(epoch as i64)
@@ -315,6 +333,9 @@ impl ControlDb {
     /// Records a swap in flight (the epoch whose table becomes live); false when another one
     /// is recorded.
     async fn request_swap(&self, task: &str, to: u64) -> Result<bool, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.request_swap(task, to).await;
+        }
         Ok(
             sqlx::query("UPDATE tasks SET swap_to = $2 WHERE name = $1 AND (swap_to IS NULL OR swap_to = $2)")
                 .bind(task)
@@ -330,6 +351,9 @@ impl ControlDb {
     /// run), the epoch it replaced is retained (a switch) or abandoned (a rollback), and that
     /// epoch's staged batches are abandoned (commits of its shards are refused from now on).
     async fn complete_swap(&self, task: &str, to: u64) -> Result<Option<u64>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.complete_swap(task, to).await;
+        }
         let mut tx = self.pool().begin().await?;
         let row = sqlx::query("SELECT current_epoch, building_epoch, swap_to FROM tasks WHERE name = $1 FOR UPDATE")
             .bind(task)
@@ -366,6 +390,27 @@ impl ControlDb {
         batches::abandon(&mut tx, Staged::Epoch { task, epoch: from }).await?;
         tx.commit().await?;
         Ok(Some(from))
+    }
+}
+
+impl ControlDb {
+    /// A building epoch's rows applied so far and when it started.
+    async fn building_progress(
+        &self,
+        task: &str,
+        epoch: u64,
+    ) -> Result<(i64, Option<chrono::DateTime<chrono::Utc>>), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.building_progress(task, epoch).await;
+        }
+        Ok(sqlx::query_as(
+            "SELECT coalesce(sum(c.rows_applied), 0)::bigint, min(e.started_at) FROM checkpoints c \
+             JOIN epochs e ON e.task = c.task AND e.epoch = c.epoch WHERE c.task = $1 AND c.epoch = $2",
+        )
+        .bind(task)
+        .bind(epoch as i64)
+        .fetch_one(self.pool())
+        .await?)
     }
 }
 
@@ -753,14 +798,7 @@ pub async fn status(control: &ControlDb, task: &PreparedTask) -> Result<EpochsVi
         None => None,
         Some(building) => {
             let (snapshot_complete, watermark) = control.epoch_progress(name, building.epoch).await?;
-            let (rows_applied, started): (i64, Option<chrono::DateTime<chrono::Utc>>) = sqlx::query_as(
-                "SELECT coalesce(sum(c.rows_applied), 0)::bigint, min(e.started_at) FROM checkpoints c \
-                 JOIN epochs e ON e.task = c.task AND e.epoch = c.epoch WHERE c.task = $1 AND c.epoch = $2",
-            )
-            .bind(name)
-            .bind(building.epoch as i64)
-            .fetch_one(control.pool())
-            .await?;
+            let (rows_applied, started) = control.building_progress(name, building.epoch).await?;
             let estimated = control.estimated_rows(name, building.epoch).await?.unwrap_or(0);
             let eta_seconds = match (snapshot_complete, started) {
                 (false, Some(started)) if rows_applied > 0 && estimated > rows_applied as u64 => {

@@ -73,6 +73,9 @@ const STATEMENTS: [&str; 3] = [
 
 /// One pass: deletes, chunk by chunk, every row older than `retention`.
 pub async fn prune_once(control: &ControlDb, retention: Duration) -> Result<Pruned, sqlx::Error> {
+    if let Some(lite) = control.lite() {
+        return lite.prune(retention).await;
+    }
     let seconds = retention.as_secs_f64();
     let mut deleted = [0u64; 3];
     for (statement, count) in STATEMENTS.iter().zip(deleted.iter_mut()) {

@@ -6,7 +6,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use sqlx::Row;
 use tidemark_common::staging::Staging;
 
 use crate::batches::BatchState;
@@ -44,19 +43,22 @@ pub async fn collect_once(
         return Ok(0);
     }
     let ids: Vec<String> = old.iter().filter_map(|o| o.batch_id.clone()).collect();
-    let rows = sqlx::query("SELECT batch_id, state, manifest_path, content_hash FROM batches WHERE batch_id = ANY($1)")
-        .bind(&ids)
-        .fetch_all(control.pool())
-        .await?;
+    let rows: Vec<(String, String, String, String)> = match control.lite() {
+        Some(lite) => lite.batches_among(&ids).await?,
+        None => {
+            sqlx::query_as("SELECT batch_id, state, manifest_path, content_hash FROM batches WHERE batch_id = ANY($1)")
+                .bind(&ids)
+                .fetch_all(control.pool())
+                .await?
+        }
+    };
     // For each STAGED batch, the objects it still needs: its registered manifest and data.
     let mut keep: HashMap<String, (String, String)> = HashMap::new();
-    for row in rows {
-        let state: String = row.get(1);
+    for (batch_id, state, manifest, hash) in rows {
         if BatchState::parse(&state) == Some(BatchState::Staged) {
-            let hash: String = row.get(3);
             keep.insert(
-                row.get(0),
-                (row.get(2), format!("data-{}.", hash.trim_start_matches("sha256:"))),
+                batch_id,
+                (manifest, format!("data-{}.", hash.trim_start_matches("sha256:"))),
             );
         }
     }

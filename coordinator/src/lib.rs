@@ -26,6 +26,7 @@ pub mod reconcile_runs;
 pub mod serve;
 pub mod service;
 pub mod source_install;
+pub mod sqlite_control;
 pub mod status;
 pub mod watcher;
 mod workers_seen;

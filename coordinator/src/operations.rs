@@ -78,6 +78,9 @@ pub struct WorkerRow {
     pub seconds_since_seen: f64,
 }
 
+/// How long a moved shard is reserved for its new worker.
+const MOVE_RESERVATION: Duration = Duration::from_secs(30);
+
 fn bad(message: String) -> CoordinatorError {
     CoordinatorError::InvalidRequest(message)
 }
@@ -85,6 +88,9 @@ fn bad(message: String) -> CoordinatorError {
 impl ControlDb {
     /// The current epoch's live shards (of one task, or all).
     pub async fn list_shards(&self, task: Option<&str>) -> Result<Vec<ShardRow>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.list_shards(task).await;
+        }
         let rows = sqlx::query(
             "SELECT c.task, c.epoch, c.shard_id, c.range, c.phase, c.cursor, c.rows_applied, c.fence, c.pending_op, \
              CASE WHEN c.reserved_until > now() THEN c.reserved_for END \
@@ -127,17 +133,10 @@ impl ControlDb {
 
     /// Records an operation on a shard and asks its owner to release it.
     async fn request_op(&self, shard: &ShardKey, op: &ShardOp) -> Result<(), CoordinatorError> {
-        let updated = sqlx::query(
-            "UPDATE checkpoints SET pending_op = $4, release_requested = true \
-             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND NOT retired AND pending_op IS NULL",
-        )
-        .bind(&shard.task)
-        .bind(shard.epoch as i64)
-        .bind(shard.shard_id as i32)
-        .bind(serde_json::to_value(op).expect("op serializes"))
-        .execute(self.pool())
-        .await?
-        .rows_affected();
+        let updated = match self.lite() {
+            Some(lite) => u64::from(lite.request_op(shard, op).await?),
+            None => self.request_op_pg(shard, op).await?,
+        };
         if updated == 0 {
             return Err(bad(format!(
                 "shard {} of task {} already has an operation pending",
@@ -147,7 +146,64 @@ impl ControlDb {
         Ok(())
     }
 
+    async fn request_op_pg(&self, shard: &ShardKey, op: &ShardOp) -> Result<u64, CoordinatorError> {
+        Ok(sqlx::query(
+            "UPDATE checkpoints SET pending_op = $4, release_requested = true \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND NOT retired AND pending_op IS NULL",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .bind(serde_json::to_value(op).expect("op serializes"))
+        .execute(self.pool())
+        .await?
+        .rows_affected())
+    }
+
+    /// Forgets a shard's operation and its release request.
+    async fn clear_op(&self, shard: &ShardKey) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.clear_op(shard).await;
+        }
+        sqlx::query(
+            "UPDATE checkpoints SET pending_op = NULL, release_requested = false \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// A move's last step: the unowned shard (still at `fence`) is reserved for worker `to`
+    /// for `MOVE_RESERVATION`; false when it changed since it was seen.
+    async fn reserve_for(&self, shard: &ShardKey, fence: u64, to: &str) -> Result<bool, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.reserve_for(shard, fence, to, MOVE_RESERVATION).await;
+        }
+        let done = sqlx::query(
+            "UPDATE checkpoints SET pending_op = NULL, release_requested = false, reserved_for = $4, \
+             reserved_until = now() + make_interval(secs => $6) \
+             WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence = $5 AND NOT retired",
+        )
+        .bind(&shard.task)
+        .bind(shard.epoch as i64)
+        .bind(shard.shard_id as i32)
+        .bind(to)
+        .bind(fence as i64)
+        .bind(MOVE_RESERVATION.as_secs_f64())
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        Ok(done == 1)
+    }
+
     pub async fn register_worker_row(&self, id: &str, lease_id: i64) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.register_worker_row(id, lease_id).await;
+        }
         sqlx::query(
             "INSERT INTO workers (id, lease_id) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE \
              SET lease_id = EXCLUDED.lease_id, last_seen = now(), registered_at = now()",
@@ -160,6 +216,9 @@ impl ControlDb {
     }
 
     pub async fn workers_seen(&self, ids: &[String]) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.workers_seen(ids).await;
+        }
         sqlx::query("UPDATE workers SET last_seen = now() WHERE id = ANY($1)")
             .bind(ids)
             .execute(self.pool())
@@ -168,6 +227,9 @@ impl ControlDb {
     }
 
     pub async fn worker_draining(&self, id: &str) -> Result<bool, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.worker_draining(id).await;
+        }
         Ok(sqlx::query_scalar("SELECT draining FROM workers WHERE id = $1")
             .bind(id)
             .fetch_optional(self.pool())
@@ -176,6 +238,9 @@ impl ControlDb {
     }
 
     pub async fn list_workers(&self) -> Result<Vec<WorkerRow>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.list_workers().await;
+        }
         let rows = sqlx::query(
             "SELECT id, lease_id, draining, extract(epoch from now() - last_seen)::float8 FROM workers ORDER BY id",
         )
@@ -194,11 +259,14 @@ impl ControlDb {
 
     /// Marks a worker draining: it gets no new shard, and each of its shards is asked back.
     pub async fn drain_worker(&self, id: &str) -> Result<(), CoordinatorError> {
-        let updated = sqlx::query("UPDATE workers SET draining = true WHERE id = $1")
-            .bind(id)
-            .execute(self.pool())
-            .await?
-            .rows_affected();
+        let updated = match self.lite() {
+            Some(lite) => u64::from(lite.drain_worker(id).await?),
+            None => sqlx::query("UPDATE workers SET draining = true WHERE id = $1")
+                .bind(id)
+                .execute(self.pool())
+                .await?
+                .rows_affected(),
+        };
         if updated == 0 {
             return Err(bad(format!("no worker {id:?} has registered")));
         }
@@ -207,6 +275,9 @@ impl ControlDb {
 
     /// Asks the owner of these shards to release them (no operation: anyone may take them).
     pub async fn request_release(&self, shards: &[ShardKey]) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.request_release(shards).await;
+        }
         for shard in shards {
             sqlx::query(
                 "UPDATE checkpoints SET release_requested = true WHERE task = $1 AND epoch = $2 AND shard_id = $3",
@@ -308,15 +379,7 @@ pub async fn request_merge(control: &ControlDb, task: &str, a: u32, b: u32) -> R
         )
         .await
     {
-        sqlx::query(
-            "UPDATE checkpoints SET pending_op = NULL, release_requested = false \
-             WHERE task = $1 AND epoch = $2 AND shard_id = $3",
-        )
-        .bind(&first.key.task)
-        .bind(first.key.epoch as i64)
-        .bind(first.key.shard_id as i32)
-        .execute(control.pool())
-        .await?;
+        control.clear_op(&first.key).await?;
         return Err(error);
     }
     Ok(format!("shards {a} and {b}: merge requested"))
@@ -424,20 +487,7 @@ async fn operate(
         };
         match op {
             ShardOp::Move { to } => {
-                let done = sqlx::query(
-                    "UPDATE checkpoints SET pending_op = NULL, release_requested = false, reserved_for = $4, \
-                     reserved_until = now() + interval '30 seconds' \
-                     WHERE task = $1 AND epoch = $2 AND shard_id = $3 AND fence = $5 AND NOT retired",
-                )
-                .bind(&shard.key.task)
-                .bind(shard.key.epoch as i64)
-                .bind(shard.key.shard_id as i32)
-                .bind(to)
-                .bind(shard.fence as i64)
-                .execute(control.pool())
-                .await?
-                .rows_affected();
-                if done == 1 {
+                if control.reserve_for(&shard.key, shard.fence, to).await? {
                     tracing::info!(task = %shard.key.task, shard = shard.key.shard_id, to = %to, "shard reserved for its new worker");
                 }
             }
@@ -612,6 +662,13 @@ async fn replace_shards(
 ) -> Result<(), CoordinatorError> {
     let task = &parents[0].key.task;
     let epoch = parents[0].key.epoch;
+    if let Some(lite) = control.lite() {
+        let seen: Vec<(u32, u64)> = parents.iter().map(|p| (p.key.shard_id, p.fence)).collect();
+        if let Some(child_ids) = lite.replace_shards(task, epoch, &seen, children).await? {
+            tracing::info!(task = %task, parents = ?seen, children = ?child_ids, "shards replaced");
+        }
+        return Ok(());
+    }
     let mut tx = control.pool().begin().await?;
     for parent in parents {
         let retired = sqlx::query(

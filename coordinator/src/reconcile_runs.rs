@@ -69,12 +69,16 @@ impl ControlDb {
         since_micros: Option<i64>,
         compare: ReconcileCompare,
     ) -> Result<u64, CoordinatorError> {
-        let epoch: i64 = sqlx::query_scalar("SELECT current_epoch FROM tasks WHERE name = $1")
-            .bind(task)
-            .fetch_optional(self.pool())
-            .await?
-            .ok_or_else(|| CoordinatorError::UnknownTask(task.to_string()))?;
-        self.start_reconcile_of(task, epoch as u64, reason, since_micros, compare)
+        let epoch = match self.lite() {
+            Some(lite) => lite.current_epoch_number(task).await?,
+            None => sqlx::query_scalar::<_, i64>("SELECT current_epoch FROM tasks WHERE name = $1")
+                .bind(task)
+                .fetch_optional(self.pool())
+                .await?
+                .map(|e| e as u64),
+        }
+        .ok_or_else(|| CoordinatorError::UnknownTask(task.to_string()))?;
+        self.start_reconcile_of(task, epoch, reason, since_micros, compare)
             .await
     }
 
@@ -88,6 +92,11 @@ impl ControlDb {
         since_micros: Option<i64>,
         compare: ReconcileCompare,
     ) -> Result<u64, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite
+                .start_reconcile_of(task, epoch, reason, since_micros, compare)
+                .await;
+        }
         let mut tx = self.pool().begin().await?;
         let id: i64 = sqlx::query_scalar(
             "INSERT INTO reconcile_runs (task, epoch, reason, since_micros, compare) \
@@ -119,6 +128,9 @@ impl ControlDb {
     /// run still pending for it, if any. One answer per shard, in order; a shard that is
     /// not there has nothing to do.
     pub async fn shard_works(&self, shards: &[ShardKey]) -> Result<Vec<ShardWork>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.shard_works(shards).await;
+        }
         shard_works_on(&mut *self.pool().acquire().await?, shards).await
     }
 
@@ -131,6 +143,9 @@ impl ControlDb {
         run_id: u64,
         result: &ShardReconcile,
     ) -> Result<(), CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.report_reconcile(shard, fence, run_id, result).await;
+        }
         let mut tx = self.pool().begin().await?;
         Self::lock_checkpoint(tx.acquire().await?, shard, fence).await?;
         // Shards of one run report concurrently: without the run's lock, the last two could
@@ -166,6 +181,9 @@ impl ControlDb {
     }
 
     pub async fn reconcile_run(&self, run_id: u64) -> Result<Option<pb::ReconcileRun>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.reconcile_run(run_id).await;
+        }
         let query = format!("{RUN_SELECT} WHERE r.id = $1 GROUP BY r.id");
         let row = sqlx::query(sqlx::AssertSqlSafe(query))
             .bind(run_id as i64)
@@ -176,6 +194,9 @@ impl ControlDb {
 
     /// The task's most recent run.
     pub async fn last_reconcile(&self, task: &str) -> Result<Option<pb::ReconcileRun>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.last_reconcile(task).await;
+        }
         let query = format!("{RUN_SELECT} WHERE r.task = $1 GROUP BY r.id ORDER BY r.id DESC LIMIT 1");
         let row = sqlx::query(sqlx::AssertSqlSafe(query))
             .bind(task)
@@ -186,6 +207,9 @@ impl ControlDb {
 
     /// Seconds since the task's last run was requested, if any.
     pub async fn seconds_since_last_reconcile(&self, task: &str) -> Result<Option<f64>, CoordinatorError> {
+        if let Some(lite) = self.lite() {
+            return lite.seconds_since_last_reconcile(task).await;
+        }
         Ok(sqlx::query_scalar(
             "SELECT extract(epoch from now() - max(requested_at))::float8 FROM reconcile_runs WHERE task = $1",
         )
