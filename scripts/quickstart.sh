@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tidemark in one process: a demo table in PostgreSQL synced by `tidemark sync` (no etcd, no
-# control server: the control state lives in a schema of the target), then changed and synced
-# again, then verified per key. Needs only PostgreSQL on 127.0.0.1:5432 (user postgres).
+# control server: the control state lives in a SQLite file in the state directory), then
+# changed and synced again, then verified per key. Needs only PostgreSQL on 127.0.0.1:5432 (user postgres).
 # Usage: scripts/quickstart.sh [ROWS]   (default 100000)
 set -euo pipefail
 cd "$(dirname "$0")/.."

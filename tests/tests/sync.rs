@@ -1,6 +1,8 @@
-//! `tidemark sync`: one process, no etcd, the control state in a schema of the target. The real
-//! binary against real PostgreSQL databases, read through a role with only the README's grants.
-//! Every test ends in a per-key comparison of the target with the source (value, version).
+//! `tidemark sync`: one process, no etcd, the control state in the embedded store (a SQLite
+//! file in the state directory) or, with `--control target`, in a schema of the target. The
+//! real binary against real PostgreSQL databases, read through a role with only the README's
+//! grants. Every test ends in a per-key comparison of the target with the source (value,
+//! version).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -107,6 +109,10 @@ async fn once_then_follow_keep_every_key_with_live_writes() {
     assert!(log.contains("key: id (the primary key)"), "{log}");
     assert!(log.contains("cursor: updated_at"), "{log}");
     assert!(log.contains("rows applied, caught up to"), "{log}");
+    assert!(
+        dir.0.join("state/items.control.db").exists(),
+        "the control state is the embedded store in --state"
+    );
     let after = key_states(&target.pool, "items", &["id"], ITEM_COLUMNS, "_tidemark_version").await;
     let behind: Vec<&String> = before
         .iter()
@@ -165,8 +171,7 @@ async fn killed_mid_snapshot_the_same_command_resumes() {
             r#"[coordinator]
 listen = "127.0.0.1:7400"
 etcd_endpoints = ["http://127.0.0.1:1"]
-control_db = "{target}"
-control_schema = "tidemark_items"
+control_db = "sqlite://{control}"
 staging = "file://{staging}"
 
 [[tasks]]
@@ -183,6 +188,7 @@ safety_delay = "1s"
 overlap = "2s"
 "#,
             target = target.url,
+            control = dir.0.join("state/control.db").display(),
             staging = dir.0.join("staging").display()
         ),
     )
@@ -231,12 +237,15 @@ overlap = "2s"
     assert!(status.success(), "{}", last.log_text());
     assert_converged(&source, &target, "after three kills and a full run").await;
     // Resumed, not restarted: the rows committed over all four runs (the control state's
-    // checkpoint history, in the target's `tidemark_items` schema) are the table once, plus at
+    // checkpoint history, in the embedded store's file) are the table once, plus at
     // most the batches in flight at each kill (4 shards x 100 rows) and the overlap's re-read.
     // Each killed run had committed 1,000 rows or more, so a run that started over would add
     // 1,000 or more; control state kept anywhere else would leave less than the table.
-    let committed: i64 = sqlx::query_scalar("SELECT sum(row_count)::bigint FROM tidemark_items.checkpoint_history")
-        .fetch_one(&target.pool)
+    let control = sqlx::SqlitePool::connect(&format!("sqlite://{}", dir.0.join("state/control.db").display()))
+        .await
+        .unwrap();
+    let committed: i64 = sqlx::query_scalar("SELECT sum(row_count) FROM checkpoint_history")
+        .fetch_one(&control)
         .await
         .unwrap();
     assert!(
@@ -298,4 +307,35 @@ async fn bad_input_is_one_line_and_exit_2() {
         .await
         .unwrap();
     assert_eq!(tables, 0);
+    // A control state that cannot be: one line, exit 2.
+    let mut args = flags(&source_url, &target.url, &state);
+    args.extend(["--control", "mysql://root@127.0.0.1/x"]);
+    let mut run = sync("sync-bad-control", &dir.0, &args);
+    assert_eq!(run.wait_exit(Duration::from_secs(60)).expect("exits").code(), Some(2));
+    assert!(
+        run.log_text().contains("error: --control is not PostgreSQL"),
+        "{}",
+        run.log_text()
+    );
+}
+
+/// `--control target`: the control state in the schema `tidemark_<name>` of a PostgreSQL
+/// target instead of the embedded store, and no file for it in the state directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_state_can_live_in_the_target() {
+    let (_role, source, target, source_url) = source_and_target("sync_ctl", 2_000).await;
+    let dir = TempDir::new("sync_ctl");
+    let state = dir.0.join("state").display().to_string();
+    let mut args = flags(&source_url, &target.url, &state);
+    args.extend(["--control", "target"]);
+    let mut once = sync("sync-ctl", &dir.0, &args);
+    let status = once.wait_exit(Duration::from_secs(120)).expect("--once exits");
+    assert!(status.success(), "{}", once.log_text());
+    assert_converged(&source, &target, "control state in the target").await;
+    let committed: i64 = sqlx::query_scalar("SELECT sum(row_count)::bigint FROM tidemark_items.checkpoint_history")
+        .fetch_one(&target.pool)
+        .await
+        .unwrap();
+    assert!(committed >= 2_000, "{committed} rows in the target's control schema");
+    assert!(!dir.0.join("state/items.control.db").exists());
 }

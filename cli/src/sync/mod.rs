@@ -1,5 +1,6 @@
 //! `tidemark sync`: the coordinator and its workers in one process, over real gRPC on
-//! loopback, with in-process leases and the control state in a schema of the target database.
+//! loopback, with in-process leases and the control state in the embedded store (a SQLite file
+//! in the state directory) or a PostgreSQL schema (`--control`).
 //! The protocol is the cluster's, unchanged: fences, ledger, CAS and staging are the same, so a
 //! killed run resumes from its checkpoints when the same command runs again.
 //!
@@ -33,8 +34,7 @@ pub struct SyncArgs {
     /// Source table, `schema.table` (MySQL: `database.table`).
     #[arg(long, required_unless_present = "config")]
     table: Option<String>,
-    /// Target database URL; PostgreSQL targets also hold the control state (schema
-    /// `tidemark_<name>`).
+    /// Target database URL.
     #[arg(long, env = "TIDEMARK_TARGET", required_unless_present = "config")]
     target: Option<String>,
     /// Target table; default: the source table's name.
@@ -66,10 +66,13 @@ pub struct SyncArgs {
     /// Task name; default: the table's name.
     #[arg(long)]
     name: Option<String>,
-    /// PostgreSQL database for the control state when the target is not PostgreSQL.
+    /// Where the control state lives: default the embedded store, `<state>/<name>.control.db`;
+    /// `target` (a PostgreSQL target's database) or `postgres://…`: the schema
+    /// `tidemark_<name>` there; `sqlite://FILE`: that file.
     #[arg(long, env = "TIDEMARK_CONTROL")]
     control: Option<String>,
-    /// Directory for the staging store (batches before they are applied).
+    /// Directory for the control state and the staging store (batches before they are
+    /// applied).
     #[arg(long, default_value = ".tidemark")]
     state: PathBuf,
     /// Run a config file's tasks instead (its [coordinator] keeps control_db and staging; etcd

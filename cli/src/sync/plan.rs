@@ -1,6 +1,7 @@
 //! From `tidemark sync`'s flags (or a config file's tasks) to a coordinator config that runs
-//! in this process: in-process leases, the control state in a schema of the target database,
-//! the staging store in the state directory. Every problem is one line naming the flag.
+//! in this process: in-process leases, the control state in the embedded store (a SQLite file
+//! in the state directory) unless `--control` names a PostgreSQL database, the staging store
+//! in the state directory. Every problem is one line naming the flag.
 
 use std::path::{Path, PathBuf};
 
@@ -66,13 +67,44 @@ fn absolute(path: &Path) -> Result<PathBuf, Usage> {
         .map_err(|e| usage(format!("--state {}: {e}", path.display())))
 }
 
+/// Where a sync keeps its control state, from `--control`: by default the embedded store,
+/// `<state>/<name>.control.db`; `target` (a PostgreSQL target's database) or a `postgres://`
+/// URL: the schema `tidemark_<name>` there; a `sqlite://` URL: that file.
+fn control_state(
+    control: Option<&str>,
+    target: &str,
+    name: &str,
+    state: &Path,
+) -> Result<(String, Option<String>), Usage> {
+    let in_postgres = |url: &str, flag: &str| -> Result<(String, Option<String>), Usage> {
+        if check_url(flag, url)?.id != "postgres" {
+            return Err(usage(format!(
+                "{flag} is not PostgreSQL: the control state lives in PostgreSQL or in the embedded store \
+                 (leave --control out, or pass --control sqlite://FILE)"
+            )));
+        }
+        Ok((url.to_string(), Some(control_schema(name))))
+    };
+    match control {
+        None => Ok((
+            format!("sqlite://{}", state.join(format!("{name}.control.db")).display()),
+            None,
+        )),
+        Some("target") => in_postgres(target, "--target"),
+        Some(url) if url.starts_with("sqlite:") => Ok((url.to_string(), None)),
+        Some(url) => in_postgres(url, "--control"),
+    }
+}
+
 /// The coordinator section every `tidemark sync` runs with.
-fn coordinator_section(control: &str, schema: &str, state: &Path) -> toml::Table {
+fn coordinator_section(control: &str, schema: Option<&str>, state: &Path) -> toml::Table {
     let mut coordinator = toml::Table::new();
     coordinator.insert("listen".into(), "127.0.0.1:0".into());
     coordinator.insert("leases".into(), "in_process".into());
     coordinator.insert("control_db".into(), control.into());
-    coordinator.insert("control_schema".into(), schema.into());
+    if let Some(schema) = schema {
+        coordinator.insert("control_schema".into(), schema.into());
+    }
     coordinator.insert(
         "staging".into(),
         format!("file://{}", state.join("staging").display()).into(),
@@ -187,21 +219,9 @@ pub fn from_flags(args: &SyncArgs, table: Option<&Discovered>) -> Result<Plan, U
             ));
         }
     };
-    let control = match &args.control {
-        Some(control) => control.clone(),
-        None if check_url("--target", target)?.id == "postgres" => target.clone(),
-        None => {
-            return Err(usage(
-                "--target is not PostgreSQL, and only PostgreSQL holds the control state: \
-                 pass --control postgres://… (a database Tidemark may create a schema in)",
-            ));
-        }
-    };
-    if check_url("--control", &control)?.id != "postgres" {
-        return Err(usage("--control: the control state needs a postgres:// URL"));
-    }
     let name = args.name.clone().unwrap_or_else(|| task_name(table_name));
     let state = absolute(&args.state)?;
+    let (control, schema) = control_state(args.control.as_deref(), target, &name, &state)?;
 
     let mut task = toml::Table::new();
     task.insert("name".into(), name.clone().into());
@@ -226,7 +246,7 @@ pub fn from_flags(args: &SyncArgs, table: Option<&Discovered>) -> Result<Plan, U
     let mut document = toml::Table::new();
     document.insert(
         "coordinator".into(),
-        coordinator_section(&control, &control_schema(&name), &state).into(),
+        coordinator_section(&control, schema.as_deref(), &state).into(),
     );
     document.insert("tasks".into(), toml::Value::Array(vec![toml::Value::Table(task)]));
     // Nothing the user typed is an environment reference here.
@@ -243,5 +263,32 @@ mod tests {
         assert_eq!(task_name("public.Items-2026"), "items_2026");
         assert_eq!(control_schema("items_2026"), "tidemark_items_2026");
         assert_eq!(control_schema(&"x".repeat(80)).len(), 63);
+    }
+
+    #[test]
+    fn the_control_state_is_embedded_unless_asked_for_elsewhere() {
+        let state = Path::new("/var/tmp/sync");
+        let pg = "postgres://loader@warehouse/dw";
+        let my = "mysql://loader@warehouse/dw";
+        assert_eq!(
+            control_state(None, my, "items", state).unwrap(),
+            ("sqlite:///var/tmp/sync/items.control.db".into(), None)
+        );
+        assert_eq!(
+            control_state(Some("target"), pg, "items", state).unwrap(),
+            (pg.into(), Some("tidemark_items".into()))
+        );
+        assert_eq!(
+            control_state(Some("postgres://c@h/ctl"), my, "items", state).unwrap(),
+            ("postgres://c@h/ctl".into(), Some("tidemark_items".into()))
+        );
+        assert_eq!(
+            control_state(Some("sqlite://x.db"), pg, "items", state).unwrap(),
+            ("sqlite://x.db".into(), None)
+        );
+        let refused = control_state(Some("target"), my, "items", state).unwrap_err().0;
+        assert!(refused.starts_with("--target is not PostgreSQL"), "{refused}");
+        let refused = control_state(Some(my), pg, "items", state).unwrap_err().0;
+        assert!(refused.starts_with("--control is not PostgreSQL"), "{refused}");
     }
 }

@@ -171,8 +171,8 @@ impl SqliteControl {
         match file.try_lock() {
             Ok(()) => Ok(Some(LockFile { _file: file })),
             Err(std::fs::TryLockError::WouldBlock) => Err(bad(format!(
-                "another coordinator (e.g. a `tidemark sync`) is running on the control state {}; \
-                 stop it first, or give this one its own state",
+                "another coordinator with in-process leases (e.g. a `tidemark sync`) is running on the \
+                 control state {}; stop it first, or give this one its own state",
                 path.display()
             ))),
             Err(std::fs::TryLockError::Error(e)) => {
