@@ -58,7 +58,7 @@ pub(crate) struct Args {
     #[arg(long, default_value = "postgres")]
     pub(crate) target: String,
     /// Then run the same snapshot (source generated again) through `tidemark sync --once`
-    /// (one process, in-process leases, control state in the target) with the same workers,
+    /// (one process, in-process leases, control state in the embedded store) with the same workers,
     /// shards and page size, and print it beside the cluster's.
     #[arg(long)]
     compare_sync: bool,
@@ -490,7 +490,8 @@ async fn snapshot(cluster: &mut Cluster, args: &Args, staging: String) -> (f64, 
 }
 
 /// The snapshot through `tidemark sync --once` with the cluster run's workers, shards and
-/// page size, into a fresh target that also holds the control state; seconds from the
+/// page size, into a fresh target, with the control state in the embedded store (the sync's
+/// default, a SQLite file); seconds from the
 /// process's start (planning included) to its exit, and the seconds it says it planned and
 /// synced (from its workers' start until it saw the task caught up).
 async fn sync_snapshot(args: &Args) -> (f64, f64, f64) {
@@ -510,8 +511,7 @@ async fn sync_snapshot(args: &Args) -> (f64, f64, f64) {
         format!(
             r#"[coordinator]
 listen = "127.0.0.1:0"
-control_db = "{target}"
-control_schema = "tidemark_bench"
+control_db = "sqlite://{control}"
 staging = "file://{staging}"
 
 [[tasks]]
@@ -531,6 +531,7 @@ overlap = "2s"
             target = target.url,
             source = source.url,
             staging = dir.0.join("staging").display(),
+            control = dir.0.join("control.db").display(),
             shards = args.shards,
             page_size = args.page_size,
         ),
