@@ -82,6 +82,11 @@ enum Command {
         #[command(subcommand)]
         action: SourceAction,
     },
+    /// Move a control state between stores.
+    Control {
+        #[command(subcommand)]
+        action: ControlAction,
+    },
     /// Compare source and target per key range (hashes of key, version and content computed
     /// inside each database) and repair what differs through the batch protocol; waits for the
     /// result.
@@ -313,6 +318,24 @@ enum SourceAction {
     },
 }
 
+#[derive(Subcommand)]
+enum ControlAction {
+    /// Copy the embedded store's records (e.g. a `tidemark sync`'s `.tidemark/<name>.control.db`)
+    /// into an empty PostgreSQL control database, so that a cluster continues from its
+    /// checkpoints. Stop the sync first.
+    Copy {
+        /// The embedded store: `sqlite://PATH`.
+        #[arg(long)]
+        from: String,
+        /// The PostgreSQL control database (`control_db`); created and migrated when missing.
+        #[arg(long)]
+        to: String,
+        /// The schema there (`control_schema`); default: the role's search path.
+        #[arg(long)]
+        schema: Option<String>,
+    },
+}
+
 /// Parses `args` (the first is the program name, shown in help as `bin_name`) and runs.
 pub fn main(bin_name: &str, args: impl IntoIterator<Item = OsString>) -> ExitCode {
     let matches = Cli::command().bin_name(bin_name.to_string()).get_matches_from(args);
@@ -478,6 +501,18 @@ async fn run(command: Command) -> anyhow::Result<()> {
             for line in crate::source_install::install(task).await? {
                 println!("{line}");
             }
+            Ok(())
+        }
+        Command::Control {
+            action: ControlAction::Copy { from, to, schema },
+        } => {
+            let copied = crate::control_copy::copy(&from, &to, schema.as_deref()).await?;
+            let rows: Vec<String> = copied.iter().map(|(table, n)| format!("{table} {n}")).collect();
+            println!(
+                "copied the control state into {}: {}",
+                tidemark_common::redact::redact_url(&to),
+                rows.join(", ")
+            );
             Ok(())
         }
         Command::Reconcile {

@@ -7,6 +7,7 @@ pub mod capacity;
 pub mod checkpoints;
 mod claim_queue;
 pub mod cli;
+pub mod control_copy;
 pub mod discover;
 pub(crate) mod engines;
 pub mod epochs;

@@ -339,3 +339,84 @@ async fn the_control_state_can_live_in_the_target() {
     assert!(committed >= 2_000, "{committed} rows in the target's control schema");
     assert!(!dir.0.join("state/items.control.db").exists());
 }
+
+/// Moving up: a sync's embedded control state, copied into a PostgreSQL control database by
+/// `tidemark control copy`, lets a cluster (etcd leases, a coordinator process, two worker
+/// processes) continue from the sync's checkpoints: the same epoch, no snapshot again, the
+/// changes made since converge per key. A copy into a control database that holds a task is
+/// refused, and so is one while the sync runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_moves_up_to_a_cluster_with_its_checkpoints() {
+    let mut cluster = tidemark_tests::Cluster::new("sync_up").await;
+    create_items(&cluster.source, KeyKind::Bigint, 5_000).await;
+    let state = cluster.dir.0.join("state").display().to_string();
+    let args = flags(&cluster.source.url, &cluster.target.url, &state);
+    let mut once = sync("sync-up", &cluster.dir.0, &args);
+    let status = once.wait_exit(Duration::from_secs(120)).expect("--once exits");
+    assert!(status.success(), "{}", once.log_text());
+    cluster.items_diff().await.assert_clean("the sync");
+
+    let from = format!("sqlite://{state}/items.control.db");
+    let copy = |to: &str| {
+        std::process::Command::new(binary("tidemark"))
+            .args(["control", "copy", "--from", &from, "--to", to])
+            .output()
+            .unwrap()
+    };
+    // Not while a sync holds the state.
+    let mut follow_args = args.clone();
+    follow_args.push("--follow");
+    let mut follow = sync("sync-up-follow", &cluster.dir.0, &follow_args);
+    follow
+        .wait_for_log("admin commands reach this sync", Duration::from_secs(60))
+        .await;
+    let held = copy(&cluster.control.url);
+    assert!(!held.status.success());
+    assert!(
+        String::from_utf8_lossy(&held.stderr).contains("another coordinator with in-process leases"),
+        "{}",
+        String::from_utf8_lossy(&held.stderr)
+    );
+    follow.signal("INT");
+    assert!(follow.wait_exit(Duration::from_secs(60)).expect("drains").success());
+
+    let copied = copy(&cluster.control.url);
+    let said = String::from_utf8_lossy(&copied.stdout);
+    assert!(copied.status.success(), "{}", String::from_utf8_lossy(&copied.stderr));
+    assert!(said.contains("tasks 1, epochs 1, checkpoints 8"), "{said}");
+    let again = copy(&cluster.control.url);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already holds 1 task(s)"));
+    let synced_rows: i64 = sqlx::query_scalar("SELECT sum(row_count)::bigint FROM checkpoint_history")
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap();
+    assert!(synced_rows >= 5_000, "{synced_rows} rows in the copied history");
+    let copied_ids: i64 = sqlx::query_scalar("SELECT max(id) FROM checkpoint_history")
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap();
+
+    cluster.start(&tidemark_tests::TaskSettings::default()).await;
+    cluster.spawn_worker("w1", 8, &[]);
+    cluster.spawn_worker("w2", 8, &[]);
+    cluster
+        .write_and_converge(
+            "UPDATE items SET name = name || ' moved', updated_at = clock_timestamp() WHERE id % 10 = 0; \
+             INSERT INTO items (id, seq, name, qty, price, payload, note, updated_at) \
+             SELECT g, g, 'after ' || g, 1, 1.5, NULL, NULL, clock_timestamp() FROM generate_series(5001, 5300) g",
+            "the cluster after the move",
+        )
+        .await;
+    let task = cluster.task_status().await;
+    assert_eq!(task.epoch, 1, "the sync's epoch continues");
+    // Only the changes were read again (800 rows, and the overlap's re-read), not the table.
+    let since: i64 =
+        sqlx::query_scalar("SELECT coalesce(sum(row_count), 0)::bigint FROM checkpoint_history WHERE id > $1")
+            .bind(copied_ids)
+            .fetch_one(&cluster.control.pool)
+            .await
+            .unwrap();
+    eprintln!("history: {synced_rows} rows by the sync, {since} by the cluster");
+    assert!((800..5_000).contains(&since), "{since} rows committed by the cluster");
+}

@@ -31,8 +31,17 @@ async fn timed_snapshot(tag: &str, otlp: Option<&str>) -> (Duration, Option<f64>
         .wait_for("snapshot done", Duration::from_secs(120), |t| t.snapshot_complete)
         .await;
     let elapsed = started.elapsed();
-    let dropped = sample(&scrape(&metrics).await, "tidemark_trace_spans_dropped_total", "");
-    (elapsed, dropped)
+    // A failed export is counted when it ends, up to its 5 s timeout after it started: a
+    // snapshot that finishes in a second is done before the first export to a dead collector
+    // has failed.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let dropped = sample(&scrape(&metrics).await, "tidemark_trace_spans_dropped_total", "");
+        if otlp.is_none() || dropped.is_some_and(|d| d > 0.0) || Instant::now() > deadline {
+            return (elapsed, dropped);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// With the collector address pointing at a closed port the sync finishes, spans are dropped
