@@ -367,13 +367,7 @@ async fn impossible_cursor_values(
             (newest - now) as f64 / 1e6
         )));
     }
-    let watermark = control
-        .committed_key_positions(name, epoch.epoch)
-        .await?
-        .iter()
-        .map(|c| c.incremental_time())
-        .collect::<Option<Vec<i64>>>()
-        .and_then(|times| times.into_iter().min());
+    let watermark = control.epoch_watermark(name, epoch.epoch).await?;
     let overlap = task.config.overlap.as_micros() as i64;
     if let (Some(previous), Some(watermark)) = (previous, watermark)
         && newest > previous

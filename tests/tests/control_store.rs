@@ -792,6 +792,12 @@ async fn building_epochs_and_progress(store: Store) {
     assert_eq!(control.watched_epoch(TASK).await.unwrap().unwrap().epoch, 2);
     assert_eq!(control.current_epoch(TASK).await.unwrap().unwrap().epoch, 1);
     assert_eq!(control.epoch_progress(TASK, 2).await.unwrap(), (false, None));
+    assert_eq!(
+        control.epoch_watermark(TASK, 2).await.unwrap(),
+        None,
+        "shards in their snapshot"
+    );
+    assert_eq!(control.epoch_watermark(TASK, 9).await.unwrap(), None, "no shards");
     for id in 0..3 {
         let s = shard(2, id);
         claim(control, &s, 20 + id as u64, "w1").await.unwrap();
@@ -805,8 +811,16 @@ async fn building_epochs_and_progress(store: Store) {
         );
         done.empty = true;
         commit_one(control, done).await.unwrap();
+        if id == 0 {
+            assert_eq!(
+                control.epoch_watermark(TASK, 2).await.unwrap(),
+                None,
+                "two shards still in their snapshot"
+            );
+        }
     }
     assert_eq!(control.epoch_progress(TASK, 2).await.unwrap(), (true, Some(1_000)));
+    assert_eq!(control.epoch_watermark(TASK, 2).await.unwrap(), Some(1_000));
     // A third reinit abandons the building epoch.
     assert!(control.begin_building(&plan(3), false, &[]).await.unwrap());
     let lifecycle = control.lifecycle(TASK).await.unwrap().unwrap();

@@ -135,6 +135,20 @@ impl SqliteControl {
         Ok(true)
     }
 
+    /// See `ControlDb::epoch_watermark`.
+    pub async fn epoch_watermark(&self, task: &str, epoch: u64) -> Result<Option<i64>, CoordinatorError> {
+        let (shards, incremental, floor): (i64, i64, Option<i64>) = sqlx::query_as(
+            "SELECT count(*), count(*) FILTER (WHERE cursor ->> '$.kind' = 'incremental'), \
+             min(cursor ->> '$.floor_micros') FILTER (WHERE cursor ->> '$.kind' = 'incremental') \
+             FROM checkpoints WHERE task = $1 AND epoch = $2 AND NOT retired",
+        )
+        .bind(task)
+        .bind(epoch as i64)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(floor.filter(|_| shards > 0 && incremental == shards))
+    }
+
     /// The committed cursors of the epoch's live (not retired) shards.
     pub async fn epoch_cursors(&self, task: &str, epoch: u64) -> Result<Vec<Cursor>, CoordinatorError> {
         let rows: Vec<String> =
