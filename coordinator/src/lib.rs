@@ -8,6 +8,7 @@ pub mod checkpoints;
 mod claim_queue;
 pub mod cli;
 pub mod control_copy;
+pub mod control_statistics;
 pub mod discover;
 pub(crate) mod engines;
 pub mod epochs;

@@ -122,6 +122,10 @@ pub async fn serve(
         settings.history_retention,
         leadership.clone(),
     ));
+    tokio::spawn(crate::control_statistics::keep_statistics(
+        control.clone(),
+        leadership.clone(),
+    ));
     tokio::spawn(crate::epochs::drive(control.clone(), tasks.clone(), leadership.clone()));
     tokio::spawn(campaign(leases.clone(), advertise.clone(), leadership.clone()));
     let capacity = crate::capacity::Capacity::default();

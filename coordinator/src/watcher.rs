@@ -367,10 +367,13 @@ async fn impossible_cursor_values(
             (newest - now) as f64 / 1e6
         )));
     }
-    let watermark = control.epoch_watermark(name, epoch.epoch).await?;
+    // Rows written since the last round with cursor values below the watermark: only when the
+    // newest value moved is the watermark (an aggregate over every shard) read.
+    if previous.is_none_or(|previous| newest <= previous) {
+        return Ok(None);
+    }
     let overlap = task.config.overlap.as_micros() as i64;
-    if let (Some(previous), Some(watermark)) = (previous, watermark)
-        && newest > previous
+    if let Some(watermark) = control.epoch_watermark(name, epoch.epoch).await?
         && newest < watermark - overlap
     {
         let cause = if zone.is_some() {

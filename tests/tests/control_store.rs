@@ -860,3 +860,85 @@ async fn one_coordinator_at_a_time(store: Store) {
         }
     }
 }
+
+/// `rounds` register-and-commit cycles of shard `s` (owned under fence 5), from key position
+/// `first` on.
+async fn cycles(control: &ControlDb, s: &ShardKey, first: i64, rounds: i64) {
+    for n in first..first + rounds {
+        let id = format!("plan-{n}");
+        let (lower, upper) = (after(1, n), after(1, n + 1));
+        let lower = if n == 0 { Cursor::snapshot_start(1) } else { lower };
+        register(control, batch(s, 5, &id, lower.clone(), upper.clone(), "sha256:ab"))
+            .await
+            .unwrap();
+        commit_one(control, commit(s, 5, n as u64, &id, lower, upper))
+            .await
+            .unwrap();
+    }
+}
+
+/// (inserts, sequential scans, rows read by them, index entries read) of `batches`, once the
+/// counters include `inserts` rows (another session's counters reach the statistics within
+/// about 10 s of its last statement).
+async fn batches_reads(db: &TestDb, inserts: i64) -> (i64, i64, i64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let (seen, scans, rows, entries): (i64, i64, i64, i64) = sqlx::query_as(
+            "SELECT t.n_tup_ins, t.seq_scan, t.seq_tup_read, \
+             (SELECT sum(i.idx_tup_read)::bigint FROM pg_stat_user_indexes i WHERE i.relid = t.relid) \
+             FROM pg_stat_user_tables t WHERE t.relname = 'batches'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if seen >= inserts {
+            return (scans, rows, entries);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "batches counters at {seen} inserts, not {inserts}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
+
+/// PostgreSQL only. A connection keeps a generic plan for each statement it ran five times;
+/// made while `batches` was small, the registration's plan read the whole table, and growth
+/// alone never replaces it. After the coordinator refreshes the statistics of the tables
+/// that outgrew them (`control_statistics`), registrations and commits read `batches` by
+/// key: no sequential scan, and a few index entries per batch, not the 20,000 rows nor the
+/// 10,000 staged entries of other shards.
+#[tokio::test]
+async fn registrations_and_commits_read_batches_by_key_after_the_table_grew() {
+    let store = postgres("plans_follow_growth").await;
+    let (control, db) = (&store.control, store._db.as_ref().unwrap());
+    control.create_epoch(&plan(1)).await.unwrap();
+    let s = shard(1, 0);
+    claim(control, &s, 5, "w1").await.unwrap();
+    // Run sequentially, the cycles use one pooled connection: its plans are made now.
+    cycles(control, &s, 0, 8).await;
+    db.exec(
+        "INSERT INTO batches (batch_id, task, epoch, shard_id, lower, upper, row_count, byte_size, content_hash, \
+         manifest_path, fence, state) \
+         SELECT md5(n::text), 'items', CASE WHEN n % 3 = 0 THEN 7 ELSE 1 END, 2, '{}', '{}', 1, 1, 'h', 'm', 1, \
+         CASE WHEN n % 3 = 0 THEN 'STAGED' ELSE 'COMMITTED' END FROM generate_series(1, 30000) n",
+    )
+    .await;
+    let analyzed = tidemark_coordinator::control_statistics::refresh(control)
+        .await
+        .unwrap();
+    assert!(analyzed.contains(&"batches".to_string()), "{analyzed:?}");
+    assert!(
+        tidemark_coordinator::control_statistics::refresh(control)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a second refresh finds nothing outgrown"
+    );
+    let before = batches_reads(db, 30_008).await;
+    cycles(control, &s, 8, 6).await;
+    let after = batches_reads(db, 30_014).await;
+    let (scans, rows, entries) = (after.0 - before.0, after.1 - before.1, after.2 - before.2);
+    assert_eq!((scans, rows), (0, 0), "sequential scans of batches in 6 cycles");
+    assert!(entries <= 6 * 10, "{entries} index entries read in 6 cycles");
+}
