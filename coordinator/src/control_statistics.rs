@@ -20,7 +20,7 @@ use crate::checkpoints::ControlDb;
 use crate::leader::Leadership;
 
 /// The tables that grow with batches, shards and workers.
-pub const GROWING_TABLES: [&str; 5] = ["batches", "checkpoints", "checkpoint_history", "late_rows", "workers"];
+const GROWING_TABLES: [&str; 5] = ["batches", "checkpoints", "checkpoint_history", "late_rows", "workers"];
 
 /// How often the leader compares the tables' sizes with their statistics.
 const PERIOD: Duration = Duration::from_secs(10);
