@@ -334,6 +334,7 @@ impl CoordinatorService {
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
         let lower = parse_request_cursor(&request.lower)?;
         let upper = parse_request_cursor(&request.upper)?;
+        let watermark = upper.incremental_time();
         let arrived = std::time::Instant::now();
         let result = self
             .commits
@@ -356,6 +357,9 @@ impl CoordinatorService {
         METRICS.commit_seconds.observe(arrived.elapsed().as_secs_f64());
         match result {
             Ok(committed) => {
+                if let Some(micros) = watermark {
+                    crate::metrics::record_watermark(&shard, micros);
+                }
                 if !committed.repeated && !request.empty {
                     let task = request.task.as_str();
                     count(&METRICS.rows_applied, &[("task", task)], request.row_count);

@@ -219,6 +219,25 @@ async fn metrics_agree_with_the_ledger() {
             "no histogram for {step}\n{worker}"
         );
     }
+    // The lag gauges follow the commits the coordinator answers, not only its reads of every
+    // shard (every 30 s or longer): with a safety delay of 1 s and a poll interval of 200 ms,
+    // no shard's lag grows past a few seconds in the 10 s sampled (read only every 30 s, it
+    // would grow by the 10 s).
+    let mut highest = [f64::NAN; 4];
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let metrics = scrape(&coordinator_metrics).await;
+        for (shard, highest) in highest.iter_mut().enumerate() {
+            let labels = format!("task=\"items\",shard=\"{shard}\"");
+            let lag = sample(&metrics, "tidemark_watermark_lag_seconds", &labels)
+                .unwrap_or_else(|| panic!("no lag gauge for shard {shard}\n{metrics}"));
+            *highest = highest.max(lag);
+        }
+    }
+    assert!(
+        highest.iter().all(|lag| (0.0..8.0).contains(lag)),
+        "the highest lag per shard over 10 s: {highest:?}"
+    );
 }
 
 /// Connection strings carry a password; no line any process logs (at debug level, JSON and

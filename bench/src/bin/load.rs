@@ -682,6 +682,19 @@ async fn etcd_metrics(endpoint: &str) -> (f64, f64, f64) {
     )
 }
 
+/// How late this process's runtime ran a task whose 50 ms sleep ended, in microseconds, until
+/// `until`: the harness's own share of the latencies it measures on its side.
+async fn runtime_delay_until(until: Instant) -> Vec<u32> {
+    const PERIOD: Duration = Duration::from_millis(50);
+    let mut late = Vec::new();
+    while Instant::now() < until {
+        let asked = Instant::now();
+        tokio::time::sleep(PERIOD).await;
+        late.push(asked.elapsed().saturating_sub(PERIOD).as_micros() as u32);
+    }
+    late
+}
+
 fn percentile(sorted: &[u32], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -837,6 +850,7 @@ async fn main() {
     let metrics0 = scrape(&coordinator_metrics).await;
     shared.measuring.store(true, Ordering::Relaxed);
     let measure = Instant::now();
+    let harness_delay = tokio::spawn(runtime_delay_until(measure + args.duration));
     tokio::time::sleep(args.duration / 2).await;
     // Vanish: the shards those workers hold must be owned again by live ones.
     let orphans: Vec<ShardRef> = shared
@@ -858,6 +872,8 @@ async fn main() {
     let (etcd_requests1, etcd_keys, etcd_cpu1) = etcd_metrics(&cluster.etcd.endpoint).await;
     let metrics1 = scrape(&coordinator_metrics).await;
     shared.measuring.store(false, Ordering::Relaxed);
+    let mut harness_delay = harness_delay.await.unwrap();
+    harness_delay.sort_unstable();
     let latencies = std::mem::take(&mut *shared.latencies.0.lock().await);
     // Reacquisition, waited for past the measured time if need be.
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -981,6 +997,13 @@ async fn main() {
         "the coordinator's runtime ran woken tasks late by (ms, bucket upper bounds): p50 {} p99 {}",
         inside("tidemark_runtime_delay_seconds", "", 0.5),
         inside("tidemark_runtime_delay_seconds", "", 0.99),
+    );
+    println!(
+        "the harness's own runtime ran woken tasks late by (ms): p50 {:.1} p99 {:.1} max {:.1} \
+         (part of every latency above, which the harness measures on its side)",
+        percentile(&harness_delay, 0.5),
+        percentile(&harness_delay, 0.99),
+        percentile(&harness_delay, 1.0),
     );
     println!(
         "etcd: {:.0} requests/s, {:.0} keys, {:.2} CPU cores",

@@ -10,8 +10,8 @@ use tidemark_common::cursor::Cursor;
 use crate::batches::Staged;
 use crate::checkpoints::{
     CheckpointRow, Claim, Claimed, CommitBatch, Committed, EpochPlan, EpochRecord, Judged, Lateness, LockedCheckpoint,
-    PendingBatchRecord, RegisterBatch, ShardKey, ShardRecord, ShardStatusRow, TaskStatusRow, admit_registration,
-    checked_lock, judge, judge_existing,
+    PendingBatchRecord, RegisterBatch, ShardKey, ShardRecord, ShardStatusRow, TaskState, TaskStatusRow,
+    admit_registration, checked_lock, judge, judge_existing,
 };
 use crate::error::CoordinatorError;
 
@@ -624,6 +624,20 @@ impl SqliteControl {
         .execute(&self.pool)
         .await?;
         Ok(())
+    }
+
+    pub async fn task_states(&self) -> Result<Vec<TaskState>, CoordinatorError> {
+        let rows = sqlx::query("SELECT name, current_epoch, paused_reason FROM tasks ORDER BY name")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| TaskState {
+                name: row.get(0),
+                epoch: row.get::<i64, _>(1) as u64,
+                paused_reason: row.get(2),
+            })
+            .collect())
     }
 
     pub async fn status(&self) -> Result<Vec<TaskStatusRow>, CoordinatorError> {
