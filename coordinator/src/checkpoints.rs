@@ -5,6 +5,8 @@
 //! and then advances. Nothing else writes `cursor`, `version` or `fence`.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -250,6 +252,9 @@ pub struct TaskStatusRow {
 #[derive(Clone)]
 pub struct ControlDb {
     store: Store,
+    /// Counts the changes this process made that can make shards claimable (see
+    /// [`ControlDb::candidates_changed`]); shared by every clone.
+    candidates: Arc<AtomicU64>,
 }
 
 #[derive(Clone)]
@@ -444,6 +449,7 @@ impl ControlDb {
             let store = SqliteControl::open(url).await?;
             return Ok(ControlDb {
                 store: Store::Sqlite(store),
+                candidates: Arc::default(),
             });
         }
         let mut options = connect_options(url, "tidemark-coordinator").map_err(CoordinatorError::InvalidRequest)?;
@@ -490,6 +496,7 @@ impl ControlDb {
             .map_err(|e| CoordinatorError::ControlDb(sqlx::Error::Migrate(Box::new(e))))?;
         Ok(ControlDb {
             store: Store::Postgres(pool),
+            candidates: Arc::default(),
         })
     }
 
@@ -1431,6 +1438,20 @@ impl ControlDb {
         .execute(self.pool())
         .await?;
         Ok(())
+    }
+
+    /// Says that shards may have become claimable through a change this process just made
+    /// (an epoch planned or switched, a split's or merge's children, a move's reservation, a
+    /// cancelled operation, a resume): the claim queue reads every candidate at its next
+    /// acquire instead of at its next correcting read (`claim_queue`). Call it after the
+    /// change is committed.
+    pub(crate) fn candidates_changed(&self) {
+        self.candidates.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// How many such changes this process made (see [`Self::candidates_changed`]).
+    pub(crate) fn candidates_generation(&self) -> u64 {
+        self.candidates.load(Ordering::SeqCst)
     }
 
     /// Every task's running epoch and pause, in name order: one row per task, however many

@@ -2,14 +2,21 @@
 //!
 //! Reading the candidates (control database) and every ownership (lease store) on each
 //! acquire cost O(shards) per call: 1,000 idle workers asking once a second overwhelmed the
-//! coordinator (BENCHMARKS.md, issue 20). Instead the leader reads both at most once per
-//! [`REFRESH`] (and at least once per [`MAX_AGE`]) and keeps the shards that were free, in the
-//! candidates' order, in a queue; each acquire takes from its front. A claim is atomic in the
-//! lease store, so a stale queue costs a failed claim, never a second owner. Between reads the
-//! lease store's feed of ended ownerships (`Leases::watch_freed`) puts a vanished worker's
-//! shards in front of the queue as soon as its lease expires, each checked against the control
-//! database (paused, retired, reserved) in one query for all that ended together.
-
+//! coordinator (BENCHMARKS.md, issue 20). Instead the leader keeps the shards that were free,
+//! in the candidates' order, in a queue; each acquire takes from its front. A claim is atomic
+//! in the lease store, so a stale queue costs a failed claim, never a second owner.
+//!
+//! The queue follows changes, not the clock. The lease store's feed of ended ownerships
+//! (`Leases::watch_freed`) puts a vanished or released worker's shards in front of the queue
+//! as soon as their ownership ends, each checked against the control database (paused,
+//! retired, reserved) in one query for all that ended together. Every change this process
+//! makes that can make shards claimable (`ControlDb::candidates_changed`: a planned or
+//! switched epoch, a split's or merge's children, a move, a resume) and every new term as
+//! leader make the next acquire read everything. Besides, everything is read every
+//! [`CORRECTION`] or longer (see `pacing`), to correct what no change reported. At 50,000
+//! shards such a read takes about a second of the control database and etcd; read every
+//! 10-20 s (the pace when an empty queue was read again after 500 ms), it set the tail of
+//! every other call.
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -19,12 +26,9 @@ use crate::error::CoordinatorError;
 use crate::leases::Leases;
 use crate::metrics::observe_scan;
 
-/// An empty queue is read again after this long (or longer, see `pacing`): a fallback for
-/// freed shards the lease store's feed missed (it broke), and for tasks resumed elsewhere.
-pub(crate) const REFRESH: Duration = Duration::from_millis(500);
-/// A non-empty queue is read again after this long (or longer, see `pacing`): new shards,
-/// resumed tasks, reservations.
-pub(crate) const MAX_AGE: Duration = Duration::from_secs(5);
+/// Everything is read again after this long (or longer, see `pacing`) even when no change
+/// was reported: a reservation that ran out, a change made by another process.
+pub(crate) const CORRECTION: Duration = Duration::from_secs(60);
 /// How long a broken feed of freed shards waits before it is opened again.
 const FEED_RETRY: Duration = Duration::from_secs(1);
 
@@ -41,6 +45,8 @@ pub(crate) struct ClaimQueue {
 #[derive(Default)]
 struct State {
     read_at: Option<Instant>,
+    /// The changes reported when the last read began (`ClaimQueue::next`'s `changes`).
+    changes: u64,
     /// How long the last read took: the read ages are paced by it (see `pacing`).
     took: Duration,
     /// Free at the last read, in the candidates' order, not reserved for a worker.
@@ -62,23 +68,16 @@ enum Read {
 }
 
 impl State {
-    /// How old an empty queue may be and how old any queue may be before it is read again.
-    fn ages(&self) -> (Duration, Duration) {
-        (
-            crate::pacing::wait_after(REFRESH, self.took),
-            crate::pacing::wait_after(MAX_AGE, self.took),
-        )
-    }
-
     /// Nothing left from the last read that `worker` may take.
     fn empty_for(&self, worker: &str) -> bool {
         self.free.is_empty() && self.reserved.get(worker).is_none_or(VecDeque::is_empty)
     }
 
-    fn to_read(&self, worker: &str) -> Read {
-        let age = self.read_at.map(|at| at.elapsed());
-        let (refresh, max_age) = self.ages();
-        if age.is_none_or(|age| age >= max_age || (self.empty_for(worker) && age >= refresh)) {
+    fn to_read(&self, changes: u64) -> Read {
+        let stale = self
+            .read_at
+            .is_none_or(|at| at.elapsed() >= crate::pacing::wait_after(CORRECTION, self.took));
+        if stale || changes != self.changes {
             Read::Everything
         } else if !self.freed.is_empty() {
             Read::Freed
@@ -152,33 +151,35 @@ impl ClaimQueue {
         self.locked().read_at = None;
     }
 
-    /// False when the last read, at most [`REFRESH`] old, left nothing for `worker` and no
-    /// ownership ended since: the acquire answers at once, without a round trip to the lease
-    /// store or the control database (an idle pool asks every second).
-    pub(crate) fn may_have(&self, worker: &str) -> bool {
+    /// False when the last read left nothing for `worker`, and no ownership ended and nothing
+    /// changed since: the acquire answers at once, without a round trip to the lease store or
+    /// the control database (an idle pool asks every second).
+    pub(crate) fn may_have(&self, worker: &str, changes: u64) -> bool {
         let state = self.locked();
-        !(state.to_read(worker) == Read::Nothing && state.empty_for(worker))
+        !(state.to_read(changes) == Read::Nothing && state.empty_for(worker))
     }
 
     /// The next shard `worker` should try to claim, or `None` when none was free at the last
-    /// read (which is at most [`REFRESH`] old then). An acquire that finds another reading
+    /// read and none was freed since. `changes` counts the reported changes (see the module
+    /// documentation); when it moved, everything is read. An acquire that finds another reading
     /// waits for that read and takes from its result: answered `None` instead, its worker
     /// would ask again only a second later (at a cluster's start, the second worker's first
     /// acquire came while the first worker's read the queue, and it began 1.2 s late).
     pub(crate) async fn next(
         &self,
         worker: &str,
+        changes: u64,
         tasks: &[String],
         control: &ControlDb,
         leases: &Leases,
     ) -> Result<Option<ShardKey>, CoordinatorError> {
-        if self.locked().to_read(worker) != Read::Nothing {
+        if self.locked().to_read(changes) != Read::Nothing {
             let _reading = self.reading.lock().await;
             // Asked again: the read waited for may have made it unnecessary.
-            let read = self.locked().to_read(worker);
+            let read = self.locked().to_read(changes);
             match read {
                 Read::Nothing => {}
-                Read::Everything => self.read_everything(tasks, control, leases).await?,
+                Read::Everything => self.read_everything(changes, tasks, control, leases).await?,
                 Read::Freed => {
                     let started = Instant::now();
                     let freed = std::mem::take(&mut self.locked().freed);
@@ -205,6 +206,7 @@ impl ClaimQueue {
     /// read stay in `freed`, to be checked by the next acquire.
     async fn read_everything(
         &self,
+        changes: u64,
         tasks: &[String],
         control: &ControlDb,
         leases: &Leases,
@@ -224,9 +226,45 @@ impl ClaimQueue {
         observe_scan("claim_queue", took);
         let mut state = self.locked();
         state.read_at = Some(Instant::now());
+        // Changes reported during the read are read again at the next acquire.
+        state.changes = changes;
         state.took = took;
         state.free = fresh.free;
         state.reserved = fresh.reserved;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(shard_id: u32) -> ShardKey {
+        ShardKey {
+            task: "items".into(),
+            epoch: 1,
+            shard_id,
+        }
+    }
+
+    #[test]
+    fn only_a_reported_change_a_freed_shard_or_age_makes_an_acquire_read() {
+        let mut state = State::default();
+        assert!(state.to_read(0) == Read::Everything, "never read");
+        state.read_at = Some(Instant::now());
+        state.changes = 7;
+        assert!(state.to_read(7) == Read::Nothing, "read just now, nothing changed");
+        assert!(state.empty_for("w1"), "an empty queue is not read again by itself");
+        assert!(state.to_read(8) == Read::Everything, "a change was reported since");
+        state.freed.push(shard(3));
+        assert!(state.to_read(7) == Read::Freed, "an ownership ended since");
+        state.read_at = Some(Instant::now() - CORRECTION);
+        assert!(state.to_read(7) == Read::Everything, "the correcting read is due");
+        state.took = Duration::from_secs(4);
+        state.read_at = Some(Instant::now() - CORRECTION);
+        assert!(
+            state.to_read(7) == Read::Freed,
+            "a read of 4 s rests 19 times as long: 76 s, more than the correction's 60 s"
+        );
     }
 }

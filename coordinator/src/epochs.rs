@@ -651,6 +651,8 @@ async fn finish_swap(control: &ControlDb, task: &PreparedTask, to: u64) -> Resul
     };
     tidemark_common::crash::point("swap_before_control");
     if let Some(from) = control.complete_swap(name, to).await? {
+        // A rollback makes the previous epoch's shards claimable again.
+        control.candidates_changed();
         crate::metrics::count(&crate::metrics::METRICS.epoch_switches, &[("task", name)], 1);
         tracing::warn!(task = name, from, to, swapped_now = swapped, table = %task.config.target_table,
             "epoch switched: the target's live table is epoch {to}'s now");

@@ -7,7 +7,7 @@
 //! database, so even two replicas that both believe they lead cannot move a shard twice.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
@@ -20,11 +20,19 @@ use crate::leases::{EtcdLeases, Leases, Store};
 pub struct Leadership {
     leading: Arc<AtomicBool>,
     leader: Arc<RwLock<Option<String>>>,
+    /// How many times this replica became the leader: what it knew of the control state
+    /// before may have been changed by another leader since.
+    terms: Arc<AtomicU64>,
 }
 
 impl Leadership {
     pub fn is_leader(&self) -> bool {
         self.leading.load(Ordering::SeqCst)
+    }
+
+    /// How many times this replica became the leader.
+    pub fn terms(&self) -> u64 {
+        self.terms.load(Ordering::SeqCst)
     }
 
     pub async fn leader_address(&self) -> Option<String> {
@@ -43,6 +51,9 @@ impl Leadership {
 
     async fn set(&self, leading: bool, leader: Option<String>) {
         let was = self.leading.swap(leading, Ordering::SeqCst);
+        if leading && !was {
+            self.terms.fetch_add(1, Ordering::SeqCst);
+        }
         *self.leader.write().await = leader.clone();
         if leading && !was {
             tracing::info!("elected leader");

@@ -380,6 +380,7 @@ pub async fn request_merge(control: &ControlDb, task: &str, a: u32, b: u32) -> R
         .await
     {
         control.clear_op(&first.key).await?;
+        control.candidates_changed();
         return Err(error);
     }
     Ok(format!("shards {a} and {b}: merge requested"))
@@ -488,10 +489,20 @@ async fn operate(
         match op {
             ShardOp::Move { to } => {
                 if control.reserve_for(&shard.key, shard.fence, to).await? {
+                    control.candidates_changed();
+                    // When the reservation runs out, any worker may take the shard.
+                    let control = control.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(MOVE_RESERVATION).await;
+                        control.candidates_changed();
+                    });
                     tracing::info!(task = %shard.key.task, shard = shard.key.shard_id, to = %to, "shard reserved for its new worker");
                 }
             }
-            ShardOp::Split { at } => split(control, task, shard, at).await?,
+            ShardOp::Split { at } => {
+                split(control, task, shard, at).await?;
+                control.candidates_changed();
+            }
             ShardOp::Merge { with } => {
                 let Some(other) = shards
                     .iter()
@@ -505,6 +516,7 @@ async fn operate(
                 // Performed once, from the lower of the two.
                 if shard.range.hi.is_some() && shard.range.hi == other.range.lo {
                     merge(control, task, shard, other).await?;
+                    control.candidates_changed();
                 }
             }
         }

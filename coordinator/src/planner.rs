@@ -305,6 +305,7 @@ pub async fn prepare_task(control: &ControlDb, config: &TaskConfig) -> Result<Pr
         None => {
             let plan = plan_epoch(&source, config, 1).await?;
             if control.create_epoch(&plan).await? {
+                control.candidates_changed();
                 tracing::info!(task, epoch = plan.epoch, shards = plan.ranges.len(), schema_id = %plan.schema_id, "planned epoch");
             }
             control
@@ -473,6 +474,7 @@ pub async fn reinit_task(control: &ControlDb, config: &TaskConfig) -> Result<Rei
             plan.epoch
         )));
     }
+    control.candidates_changed();
     tracing::warn!(
         task,
         epoch = plan.epoch,

@@ -181,7 +181,10 @@ impl CoordinatorService {
 
     async fn acquire(&self, worker_id: &str, lease_id: i64) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
         let coordinator = &self.inner;
-        if !self.claims.may_have(worker_id) {
+        // Changes this process reported that can make shards claimable, and terms as leader
+        // (another leader may have changed anything meanwhile): both only grow.
+        let changes = coordinator.control.candidates_generation() + coordinator.leadership.terms();
+        if !self.claims.may_have(worker_id, changes) {
             return Ok(None);
         }
         if !coordinator.leases.lease_alive(lease_id).await? {
@@ -194,11 +197,18 @@ impl CoordinatorService {
         }
         while let Some(shard) = self
             .claims
-            .next(worker_id, &active, &coordinator.control, &coordinator.leases)
+            .next(worker_id, changes, &active, &coordinator.control, &coordinator.leases)
             .await?
         {
-            let Some(fence) = coordinator.leases.try_claim(&shard, worker_id, lease_id).await? else {
-                continue;
+            let fence = match coordinator.leases.try_claim(&shard, worker_id, lease_id).await {
+                Ok(Some(fence)) => fence,
+                // Owned meanwhile: its end will be reported.
+                Ok(None) => continue,
+                Err(error) => {
+                    // Taken from the queue but not claimed: read it again at the next acquire.
+                    self.claims.invalidate();
+                    return Err(error);
+                }
             };
             match self.assign(&shard, fence, worker_id).await {
                 Ok(Some(assignment)) => return Ok(Some(assignment)),
