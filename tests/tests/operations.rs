@@ -116,12 +116,28 @@ async fn split_merge_move_and_drain_while_syncing() {
         // Split shard 0 at its median key: two children replace it.
         let out = cli_ok(cluster, &["shards", "split", "--task", "items", "--shard", "0"]);
         assert!(out.contains("split at"), "{out}");
+        let split_at = Instant::now();
         let shards = wait_shards(cluster, "the split", |s| {
             s.iter().all(|x| x["shard"] != 0) && s.len() == 9
         })
         .await;
         let ids: Vec<u64> = shards.iter().map(|s| s["shard"].as_u64().unwrap()).collect();
         assert!(ids.contains(&8) && ids.contains(&9), "children get new ids: {ids:?}");
+        // The children are offered as the split is done, not at the claim queue's correcting
+        // read of every shard (every 60 s or longer).
+        let shards = wait_shards(cluster, "the children's owners", |s| {
+            s.iter()
+                .filter(|x| x["shard"] == 8 || x["shard"] == 9)
+                .all(|x| !x["owner"].is_null())
+        })
+        .await;
+        let owners: Vec<(&serde_json::Value, &serde_json::Value)> =
+            shards.iter().map(|s| (&s["shard"], &s["owner"])).collect();
+        assert!(
+            split_at.elapsed() < Duration::from_secs(20),
+            "the split's children were owned {:?} after the split was asked: {owners:?}",
+            split_at.elapsed()
+        );
 
         // Merge shards 4 and 5 (adjacent); the action's result as JSON.
         let merged = cluster.cli_json(&["shards", "merge", "--task", "items", "4", "5"]);
