@@ -17,6 +17,7 @@
 //! shards such a read takes about a second of the control database and etcd; read every
 //! 10-20 s (the pace when an empty queue was read again after 500 ms), it set the tail of
 //! every other call.
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

@@ -232,24 +232,26 @@ fn watermarks() -> std::sync::MutexGuard<'static, Watermarks> {
 /// `Cursor::incremental_time`), so that its lag gauge follows the commit without a read of
 /// every shard.
 pub fn record_watermark(shard: &ShardKey, micros: i64) {
+    let recorded = (shard.epoch, micros);
     let mut watermarks = watermarks();
     let entry = watermarks
         .entry((shard.task.clone(), shard.shard_id))
-        .or_insert((shard.epoch, micros));
+        .or_insert(recorded);
     // A late answer of an older epoch or an older commit never moves it back.
-    if (shard.epoch, micros) > *entry {
-        *entry = (shard.epoch, micros);
-    }
+    *entry = (*entry).max(recorded);
 }
 
-/// Sets the gauges every [`GAUGE_PERIOD`]: per task (pause, late rows) from one row per
-/// task, per shard (watermark lag) from the watermarks the commits recorded. Every shard is
-/// read only every [`WATERMARKS_READ`] or longer: at 50,000 shards that read takes about a
+/// Sets the gauges every [`GAUGE_PERIOD`]: pauses from one row per task, late rows from one
+/// count per task (paced by its own cost), each shard's watermark lag from the watermarks the
+/// commits recorded. Every shard is read only every [`WATERMARKS_READ`] or longer: at 50,000 shards that read takes about a
 /// second of the control database, and it was one of the reads that set the tail of every
 /// other call (BENCHMARKS.md, issue 20).
 pub async fn refresh_gauges(control: ControlDb, leadership: Leadership) {
     let mut read_at: Option<std::time::Instant> = None;
     let mut took = Duration::ZERO;
+    // The late-row counts aggregate the rows recorded, so they are paced by their own cost.
+    let mut lateness_at: Option<std::time::Instant> = None;
+    let mut lateness_took = Duration::ZERO;
     loop {
         METRICS.leader.set(i64::from(leadership.is_leader()));
         if read_at.is_none_or(|at| at.elapsed() >= crate::pacing::wait_after(WATERMARKS_READ, took)) {
@@ -280,13 +282,19 @@ pub async fn refresh_gauges(control: ControlDb, leadership: Leadership) {
             }
         }
         if let Ok(tasks) = control.task_states().await {
-            set_gauges(&control, &tasks).await;
+            set_gauges(&tasks);
+            if lateness_at.is_none_or(|at| at.elapsed() >= crate::pacing::wait_after(GAUGE_PERIOD, lateness_took)) {
+                let started = std::time::Instant::now();
+                set_lateness(&control, &tasks).await;
+                lateness_at = Some(std::time::Instant::now());
+                lateness_took = started.elapsed();
+            }
         }
         tokio::time::sleep(GAUGE_PERIOD).await;
     }
 }
 
-async fn set_gauges(control: &ControlDb, tasks: &[TaskState]) {
+fn set_gauges(tasks: &[TaskState]) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as i64);
@@ -307,6 +315,11 @@ async fn set_gauges(control: &ControlDb, tasks: &[TaskState]) {
             .task_paused
             .get_or_create(&labels(&[("task", &task.name)]))
             .set(if task.paused_reason.is_some() { 1.0 } else { 0.0 });
+    }
+}
+
+async fn set_lateness(control: &ControlDb, tasks: &[TaskState]) {
+    for task in tasks {
         if let Ok(lateness) = control.lateness(&task.name, task.epoch).await {
             METRICS
                 .late_rows
