@@ -78,11 +78,20 @@ impl Cursor {
     }
 
     pub fn decode(text: &str) -> Result<Cursor, CursorError> {
-        let malformed = |message: String| CursorError::Malformed {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| CursorError::Malformed {
             text: text.to_string(),
+            message: e.to_string(),
+        })?;
+        Cursor::from_value(&value)
+    }
+
+    /// [`Cursor::decode`] of JSON already parsed (a `jsonb` column): without printing and
+    /// parsing it again, which was half the cost of reading every shard's cursor.
+    pub fn from_value(value: &serde_json::Value) -> Result<Cursor, CursorError> {
+        let malformed = |message: String| CursorError::Malformed {
+            text: value.to_string(),
             message,
         };
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
         let version = value
             .get("encoding_version")
             .and_then(|v| v.as_u64())
@@ -90,7 +99,7 @@ impl Cursor {
         if version != u64::from(CURSOR_ENCODING_VERSION) {
             return Err(CursorError::UnsupportedVersion(version as u32));
         }
-        serde_json::from_value(value).map_err(|e| malformed(e.to_string()))
+        Cursor::deserialize(value).map_err(|e| malformed(e.to_string()))
     }
 
     /// An incremental cursor between cycles, at watermark `floor_micros`.

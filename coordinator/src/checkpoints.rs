@@ -302,7 +302,7 @@ impl CheckpointRow {
 }
 
 fn decode_cursor(value: serde_json::Value) -> Result<Cursor, CoordinatorError> {
-    Cursor::decode(&value.to_string()).map_err(|e| CoordinatorError::InvalidRequest(e.to_string()))
+    Cursor::from_value(&value).map_err(|e| CoordinatorError::InvalidRequest(e.to_string()))
 }
 
 fn parse_cursor(text: &str) -> Result<Cursor, CoordinatorError> {
@@ -992,17 +992,19 @@ impl ControlDb {
                 .bind(shards.iter().map(|s| s.shard_id as i32).collect::<Vec<_>>());
         }
         let rows = query.fetch_all(self.pool()).await?;
-        Ok(rows
-            .into_iter()
-            .map(|row| Candidate {
-                shard: ShardKey {
-                    task: row.get(0),
-                    epoch: row.get::<i64, _>(1) as u64,
-                    shard_id: row.get::<i32, _>(2) as u32,
-                },
-                reserved_for: row.get(3),
-            })
-            .collect())
+        let decode = move || {
+            rows.into_iter()
+                .map(|row| Candidate {
+                    shard: ShardKey {
+                        task: row.get(0),
+                        epoch: row.get::<i64, _>(1) as u64,
+                        shard_id: row.get::<i32, _>(2) as u32,
+                    },
+                    reserved_for: row.get(3),
+                })
+                .collect()
+        };
+        Ok(crate::off_runtime::run(decode).await)
     }
 
     /// Records the new owners of a group of claimed shards (distinct), each under a fence token
@@ -1485,6 +1487,11 @@ impl ControlDb {
         )
         .fetch_all(self.pool())
         .await?;
+        crate::off_runtime::run(move || Self::status_rows(rows)).await
+    }
+
+    /// [`Self::status`]'s rows, decoded: O(every shard), off the runtime.
+    fn status_rows(rows: Vec<sqlx::postgres::PgRow>) -> Result<Vec<TaskStatusRow>, CoordinatorError> {
         let mut tasks: Vec<TaskStatusRow> = Vec::new();
         for row in rows {
             let name: String = row.get(0);

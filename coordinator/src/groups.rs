@@ -46,7 +46,8 @@ pub trait Work: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<Result<Self::Out, CoordinatorError>>, CoordinatorError>> + Send;
 }
 
-type Reply<O> = oneshot::Sender<Result<O, CoordinatorError>>;
+/// Where a call's answer goes, and when the call arrived.
+type Reply<O> = (oneshot::Sender<Result<O, CoordinatorError>>, std::time::Instant);
 type Queue<W> = mpsc::UnboundedSender<(<W as Work>::Item, Reply<<W as Work>::Out>)>;
 
 pub struct Groups<W: Work> {
@@ -66,7 +67,7 @@ impl<W: Work> Groups<W> {
         let (reply, answer) = oneshot::channel();
         // Both fail only when the runners are gone (the runtime shuts down): unavailable,
         // which the worker retries, against this replica or the next leader.
-        if queue.send((item, reply)).is_err() {
+        if queue.send((item, (reply, std::time::Instant::now()))).is_err() {
             return Err(CoordinatorError::ControlDb(sqlx::Error::PoolClosed));
         }
         answer
@@ -135,6 +136,13 @@ async fn run<W: Work>(control: &ControlDb, group: Vec<(W::Item, Reply<W::Out>)>)
     let call = labels(&[("call", W::CALL)]);
     METRICS.group_size.get_or_create(&call).observe(items.len() as f64);
     let started = std::time::Instant::now();
+    {
+        let waits = METRICS.group_wait_seconds.get_or_create(&call);
+        for (_, arrived) in &replies {
+            waits.observe(started.duration_since(*arrived).as_secs_f64());
+        }
+    }
+    let replies: Vec<_> = replies.into_iter().map(|(reply, _)| reply).collect();
     let outcome = W::group(control, &items).await;
     METRICS
         .group_seconds

@@ -20,6 +20,7 @@ pub mod leader;
 pub mod leases;
 pub mod metrics;
 pub mod mysql;
+mod off_runtime;
 pub mod operations;
 pub(crate) mod pacing;
 pub mod planner;

@@ -6,12 +6,15 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tidemark_common::metrics::{CounterFamily, GaugeFamily, HistogramFamily, labels, register_trace_counters};
 
-use crate::checkpoints::{ControlDb, ShardKey, TaskState};
+use crate::checkpoints::{ControlDb, ShardKey, TaskState, TaskStatusRow};
 use crate::leader::Leadership;
 
 pub struct CoordinatorMetrics {
@@ -26,7 +29,6 @@ pub struct CoordinatorMetrics {
     pub reconcile_keys_repaired: CounterFamily,
     pub schema_evolutions: CounterFamily,
     pub epoch_switches: CounterFamily,
-    pub watermark_lag: GaugeFamily,
     pub late_rows: GaugeFamily,
     pub task_paused: GaugeFamily,
     pub shards_unassigned: GaugeFamily,
@@ -39,6 +41,9 @@ pub struct CoordinatorMetrics {
     /// One group's control-database statement or transaction, by RPC, including its wait
     /// for a connection.
     pub group_seconds: HistogramFamily,
+    /// A call's wait, by RPC, from its arrival until its group's statement starts: the
+    /// groups in flight before it.
+    pub group_wait_seconds: HistogramFamily,
     /// How late a task that asked to wake is run (`probe_runtime_delay`).
     pub runtime_delay_seconds: Histogram,
     /// One read of shards, by `scan`: `claim_queue` and `gauges` read every shard and their
@@ -58,7 +63,6 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     reconcile_keys_repaired: CounterFamily::default(),
     schema_evolutions: CounterFamily::default(),
     epoch_switches: CounterFamily::default(),
-    watermark_lag: GaugeFamily::default(),
     late_rows: GaugeFamily::default(),
     task_paused: GaugeFamily::default(),
     shards_unassigned: GaugeFamily::default(),
@@ -66,6 +70,7 @@ pub static METRICS: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorM
     group_size: HistogramFamily::new_with_constructor(|| Histogram::new(exponential_buckets(1.0, 2.0, 9))),
     commit_seconds: Histogram::new(LATENCY_BUCKETS.iter().copied()),
     group_seconds: HistogramFamily::new_with_constructor(|| Histogram::new(LATENCY_BUCKETS.iter().copied())),
+    group_wait_seconds: HistogramFamily::new_with_constructor(|| Histogram::new(LATENCY_BUCKETS.iter().copied())),
     runtime_delay_seconds: Histogram::new(LATENCY_BUCKETS.iter().copied()),
     scan_seconds: HistogramFamily::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 16))),
 });
@@ -143,11 +148,7 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "Swaps of a task's live table: a validated epoch made live, or a rollback",
         m.epoch_switches.clone(),
     );
-    r.register(
-        "tidemark_watermark_lag_seconds",
-        "Source clock minus the committed watermark, per task and shard (incremental phase)",
-        m.watermark_lag.clone(),
-    );
+    r.register_collector(Box::new(WatermarkLag));
     r.register(
         "tidemark_late_rows",
         "Late rows found by the overlap re-read in the current epoch",
@@ -182,6 +183,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "tidemark_control_group_seconds",
         "One group's control-database statement or transaction, by RPC, with its wait for a connection",
         m.group_seconds.clone(),
+    );
+    r.register(
+        "tidemark_control_group_wait_seconds",
+        "A call's wait for its group's statement to start, by RPC (the groups in flight before it)",
+        m.group_wait_seconds.clone(),
     );
     r.register(
         "tidemark_runtime_delay_seconds",
@@ -241,11 +247,13 @@ pub fn record_watermark(shard: &ShardKey, micros: i64) {
     *entry = (*entry).max(recorded);
 }
 
-/// Sets the gauges every [`GAUGE_PERIOD`]: pauses from one row per task, late rows from one
-/// count per task (paced by its own cost), each shard's watermark lag from the watermarks the
-/// commits recorded. Every shard is read only every [`WATERMARKS_READ`] or longer: at 50,000 shards that read takes about a
-/// second of the control database, and it was one of the reads that set the tail of every
-/// other call (BENCHMARKS.md, issue 20).
+/// Sets the gauges every [`GAUGE_PERIOD`]: pauses and each task's current epoch from one row
+/// per task, late rows from one count per task (paced by its own cost). Each shard's
+/// watermark lag is computed when scraped ([`WatermarkLag`]) from the watermarks the commits
+/// recorded. Every shard is read only every [`WATERMARKS_READ`] or longer, and decoded off
+/// the runtime: at 50,000 shards that read takes about a second of the control database
+/// and half a second of a core, and it was one of the reads that set the tail of every other
+/// call (BENCHMARKS.md, issue 20).
 pub async fn refresh_gauges(control: ControlDb, leadership: Leadership) {
     let mut read_at: Option<std::time::Instant> = None;
     let mut took = Duration::ZERO;
@@ -261,24 +269,7 @@ pub async fn refresh_gauges(control: ControlDb, leadership: Leadership) {
             observe_scan("gauges", took);
             if let Ok(tasks) = read {
                 read_at = Some(std::time::Instant::now());
-                let mut fresh = Watermarks::new();
-                for task in tasks {
-                    for shard in task.shards {
-                        if let Some(micros) = shard.cursor.incremental_time() {
-                            fresh.insert((task.name.clone(), shard.shard_id), (task.epoch, micros));
-                        }
-                    }
-                }
-                // Commits answered during the read may be newer than what it saw.
-                let mut watermarks = watermarks();
-                for (shard, newer) in watermarks.drain() {
-                    if let Some(read) = fresh.get_mut(&shard)
-                        && newer > *read
-                    {
-                        *read = newer;
-                    }
-                }
-                *watermarks = fresh;
+                crate::off_runtime::run(move || replace_watermarks(tasks)).await;
             }
         }
         if let Ok(tasks) = control.task_states().await {
@@ -294,27 +285,76 @@ pub async fn refresh_gauges(control: ControlDb, leadership: Leadership) {
     }
 }
 
-fn set_gauges(tasks: &[TaskState]) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as i64);
-    let epochs: HashMap<&str, u64> = tasks.iter().map(|task| (task.name.as_str(), task.epoch)).collect();
-    let lags: Vec<(String, u32, i64)> = watermarks()
-        .iter()
-        .filter(|((task, _), (epoch, _))| epochs.get(task.as_str()) == Some(epoch))
-        .map(|((task, shard), (_, micros))| (task.clone(), *shard, *micros))
-        .collect();
-    for (task, shard, micros) in lags {
-        METRICS
-            .watermark_lag
-            .get_or_create(&labels(&[("task", &task), ("shard", &shard.to_string())]))
-            .set((now - micros) as f64 / 1e6);
+/// Every shard's watermark as read, or as recorded by a commit answered during the read
+/// where that is newer.
+fn replace_watermarks(tasks: Vec<TaskStatusRow>) {
+    let mut fresh = Watermarks::new();
+    for task in tasks {
+        for shard in task.shards {
+            if let Some(micros) = shard.cursor.incremental_time() {
+                fresh.insert((task.name.clone(), shard.shard_id), (task.epoch, micros));
+            }
+        }
     }
+    let mut watermarks = watermarks();
+    for (shard, newer) in watermarks.drain() {
+        if let Some(read) = fresh.get_mut(&shard)
+            && newer > *read
+        {
+            *read = newer;
+        }
+    }
+    *watermarks = fresh;
+}
+
+fn set_gauges(tasks: &[TaskState]) {
+    *epochs() = tasks.iter().map(|task| (task.name.clone(), task.epoch)).collect();
     for task in tasks {
         METRICS
             .task_paused
             .get_or_create(&labels(&[("task", &task.name)]))
             .set(if task.paused_reason.is_some() { 1.0 } else { 0.0 });
+    }
+}
+
+/// Each task's current epoch as of the last read of the tasks: the lag gauges show its
+/// shards only.
+static EPOCHS: LazyLock<Mutex<HashMap<String, u64>>> = LazyLock::new(Default::default);
+
+fn epochs() -> std::sync::MutexGuard<'static, HashMap<String, u64>> {
+    EPOCHS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// `tidemark_watermark_lag_seconds`, per task and shard: computed when scraped, from the
+/// watermarks recorded. Set as gauges every 2 s, 50,000 shards' lags took 140-220 ms of a
+/// core each time (issue 20); a scrape pays it once per scrape instead.
+#[derive(Debug)]
+struct WatermarkLag;
+
+impl Collector for WatermarkLag {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as i64);
+        let epochs = epochs().clone();
+        // Copied out, so that commits recording theirs do not wait for the encoding.
+        let mut lags: Vec<(String, u32, f64)> = watermarks()
+            .iter()
+            .filter(|((task, _), (epoch, _))| epochs.get(task.as_str()) == Some(epoch))
+            .map(|((task, shard), (_, micros))| (task.clone(), *shard, (now - micros) as f64 / 1e6))
+            .collect();
+        lags.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        let mut family = encoder.encode_descriptor(
+            "tidemark_watermark_lag_seconds",
+            "Source clock minus the committed watermark, per task and shard (incremental phase)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (task, shard, lag) in &lags {
+            let labels = ([("task", task.as_str())], [("shard", *shard)]);
+            family.encode_family(&labels)?.encode_gauge(lag)?;
+        }
+        Ok(())
     }
 }
 
@@ -350,5 +390,36 @@ mod tests {
         assert_eq!(now(), Some((3, 10)), "a newer epoch starts its own watermarks");
         record_watermark(&shard(3), 2_000);
         assert_eq!(now(), Some((3, 2_000)));
+    }
+
+    #[test]
+    fn the_lag_is_computed_when_scraped_for_the_current_epochs_shards_only() {
+        let micros_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as i64;
+        let shard = |epoch, shard_id| ShardKey {
+            task: "lag_unit".into(),
+            epoch,
+            shard_id,
+        };
+        record_watermark(&shard(4, 1), micros_now - 5_000_000);
+        record_watermark(&shard(3, 2), micros_now - 1_000_000);
+        epochs().insert("lag_unit".into(), 4);
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(WatermarkLag));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let line = text
+            .lines()
+            .find(|line| line.starts_with("tidemark_watermark_lag_seconds{task=\"lag_unit\",shard=\"1\"} "))
+            .unwrap_or_else(|| panic!("no lag for shard 1 of the current epoch:\n{text}"));
+        let lag: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!((5.0..6.0).contains(&lag), "lag {lag} s, expected 5 s and a little");
+        assert!(
+            !text.contains("task=\"lag_unit\",shard=\"2\""),
+            "a shard of an older epoch has no lag:\n{text}"
+        );
+        assert!(text.contains("# TYPE tidemark_watermark_lag_seconds gauge"), "{text}");
     }
 }

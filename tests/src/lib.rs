@@ -336,7 +336,7 @@ impl Process {
         let mut command = Command::new(program);
         command
             .args(args)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", std::env::var("TIDEMARK_CHILD_LOG").unwrap_or("info".into()))
             .stdout(file.try_clone().unwrap())
             .stderr(file);
         for (key, value) in env {

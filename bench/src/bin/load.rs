@@ -980,9 +980,12 @@ async fn main() {
         );
     }
     println!(
-        "in the coordinator (ms, bucket upper bounds): commit p50 {} p99 {}",
+        "in the coordinator (ms, bucket upper bounds): commit p50 {} p99 {}, of which its wait for the groups \
+         before its own p50 {} p99 {}",
         inside("tidemark_commit_seconds", "", 0.5),
         inside("tidemark_commit_seconds", "", 0.99),
+        inside("tidemark_control_group_wait_seconds", "call=\"commit_batch\"", 0.5),
+        inside("tidemark_control_group_wait_seconds", "call=\"commit_batch\"", 0.99),
     );
     for scan in ["claim_queue", "freed", "gauges"] {
         let count = moved(&format!("tidemark_shard_scan_seconds_count{{scan=\"{scan}\"}}"));

@@ -253,15 +253,19 @@ impl EtcdLeases {
             .clone()
             .get(self.owners_prefix(), Some(GetOptions::new().with_prefix()))
             .await?;
-        let mut owners = HashMap::new();
-        for kv in response.kvs() {
-            let Some(shard) = kv.key_str().ok().and_then(|key| self.shard_of(key)) else {
-                continue;
-            };
-            let worker = kv.value_str().unwrap_or_default().to_string();
-            owners.insert(shard, (worker, kv.create_revision() as u64));
-        }
-        Ok(owners)
+        let this = self.clone();
+        Ok(crate::off_runtime::run(move || {
+            let mut owners = HashMap::new();
+            for kv in response.kvs() {
+                let Some(shard) = kv.key_str().ok().and_then(|key| this.shard_of(key)) else {
+                    continue;
+                };
+                let worker = kv.value_str().unwrap_or_default().to_string();
+                owners.insert(shard, (worker, kv.create_revision() as u64));
+            }
+            owners
+        })
+        .await)
     }
 
     /// A watch on the ownership keys' deletions: a release, or the expiry of the lease
