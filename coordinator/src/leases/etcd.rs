@@ -235,16 +235,7 @@ impl EtcdLeases {
 
     /// The shard an ownership key names, or `None` for a key that is not one.
     fn shard_of(&self, key: &str) -> Option<ShardKey> {
-        let rest = key.strip_prefix(&self.owners_prefix())?;
-        let parts: Vec<&str> = rest.split('/').collect();
-        let [task, epoch, shard_id] = parts.as_slice() else {
-            return None;
-        };
-        Some(ShardKey {
-            task: task.to_string(),
-            epoch: epoch.parse().ok()?,
-            shard_id: shard_id.parse().ok()?,
-        })
+        shard_under(&self.owners_prefix(), key)
     }
 
     pub(crate) async fn owners(&self) -> Result<HashMap<ShardKey, (String, u64)>, CoordinatorError> {
@@ -253,11 +244,11 @@ impl EtcdLeases {
             .clone()
             .get(self.owners_prefix(), Some(GetOptions::new().with_prefix()))
             .await?;
-        let this = self.clone();
+        let prefix = self.owners_prefix();
         Ok(crate::off_runtime::run(move || {
             let mut owners = HashMap::new();
             for kv in response.kvs() {
-                let Some(shard) = kv.key_str().ok().and_then(|key| this.shard_of(key)) else {
+                let Some(shard) = kv.key_str().ok().and_then(|key| shard_under(&prefix, key)) else {
                     continue;
                 };
                 let worker = kv.value_str().unwrap_or_default().to_string();
@@ -310,4 +301,18 @@ impl EtcdFreed {
             }
         }
     }
+}
+
+/// The shard whose ownership key is `key`, under the owners' `prefix`.
+fn shard_under(prefix: &str, key: &str) -> Option<ShardKey> {
+    let rest = key.strip_prefix(prefix)?;
+    let parts: Vec<&str> = rest.split('/').collect();
+    let [task, epoch, shard_id] = parts.as_slice() else {
+        return None;
+    };
+    Some(ShardKey {
+        task: task.to_string(),
+        epoch: epoch.parse().ok()?,
+        shard_id: shard_id.parse().ok()?,
+    })
 }
