@@ -295,6 +295,26 @@ pub enum KeyDomain {
 mod tests {
     use super::*;
 
+    /// The control database tells a caught-up shard by its stored cursor's `kind` without
+    /// decoding it (`ControlDb::running_shards`): any kind but `snapshot` is incremental.
+    #[test]
+    fn only_the_snapshot_kind_is_not_incremental() {
+        for position in [
+            Position::Snapshot { after_key: None },
+            Position::Incremental {
+                floor_micros: 1,
+                t_micros: 1,
+                after_key: None,
+                cycle_high_micros: None,
+            },
+            Position::Append { after_key: None },
+        ] {
+            let cursor = Cursor::new(1, position);
+            let stored: serde_json::Value = serde_json::from_str(&cursor.encode()).unwrap();
+            assert_eq!(stored["kind"] != "snapshot", cursor.is_incremental(), "{stored}");
+        }
+    }
+
     #[test]
     fn cursor_round_trips_and_rejects_unknown_versions() {
         let cursor = Cursor::new(

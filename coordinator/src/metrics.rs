@@ -84,6 +84,7 @@ const LATENCY_BUCKETS: [f64; 26] = [
 
 /// Records one periodic read of every shard (`scan_seconds`).
 pub fn observe_scan(scan: &str, took: Duration) {
+    tracing::debug!(scan, took_ms = took.as_millis() as u64, "read every shard");
     METRICS
         .scan_seconds
         .get_or_create(&labels(&[("scan", scan)]))

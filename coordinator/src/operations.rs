@@ -88,39 +88,61 @@ fn bad(message: String) -> CoordinatorError {
 impl ControlDb {
     /// The current epoch's live shards (of one task, or all).
     pub async fn list_shards(&self, task: Option<&str>) -> Result<Vec<ShardRow>, CoordinatorError> {
+        self.shards_where(task, false).await
+    }
+
+    /// The current epoch's live shards with an operation pending: the operations loop's
+    /// work, found without reading every shard's row (at 50,000 shards, reading and decoding
+    /// them all took most of a round of 2-8 s, issue 20).
+    pub async fn shards_with_ops(&self) -> Result<Vec<ShardRow>, CoordinatorError> {
+        self.shards_where(None, true).await
+    }
+
+    async fn shards_where(
+        &self,
+        task: Option<&str>,
+        pending_ops_only: bool,
+    ) -> Result<Vec<ShardRow>, CoordinatorError> {
         if let Some(lite) = self.lite() {
-            return lite.list_shards(task).await;
+            let mut shards = lite.list_shards(task).await?;
+            shards.retain(|shard| !pending_ops_only || shard.pending_op.is_some());
+            return Ok(shards);
         }
         let rows = sqlx::query(
             "SELECT c.task, c.epoch, c.shard_id, c.range, c.phase, c.cursor, c.rows_applied, c.fence, c.pending_op, \
              CASE WHEN c.reserved_until > now() THEN c.reserved_for END \
              FROM checkpoints c JOIN tasks t ON t.name = c.task AND t.current_epoch = c.epoch \
-             WHERE NOT c.retired AND ($1::text IS NULL OR c.task = $1) ORDER BY c.task, c.shard_id",
+             WHERE NOT c.retired AND ($1::text IS NULL OR c.task = $1) AND (NOT $2 OR c.pending_op IS NOT NULL) \
+             ORDER BY c.task, c.shard_id",
         )
         .bind(task)
+        .bind(pending_ops_only)
         .fetch_all(self.pool())
         .await?;
-        rows.into_iter()
-            .map(|row| {
-                let range: serde_json::Value = row.get(3);
-                let cursor: serde_json::Value = row.get(5);
-                let op: Option<serde_json::Value> = row.get(8);
-                Ok(ShardRow {
-                    key: ShardKey {
-                        task: row.get(0),
-                        epoch: row.get::<i64, _>(1) as u64,
-                        shard_id: row.get::<i32, _>(2) as u32,
-                    },
-                    range: serde_json::from_value(range).map_err(|e| bad(format!("stored range: {e}")))?,
-                    phase: row.get(4),
-                    cursor: Cursor::decode(&cursor.to_string()).map_err(|e| bad(e.to_string()))?,
-                    rows_applied: row.get::<i64, _>(6) as u64,
-                    fence: row.get::<i64, _>(7) as u64,
-                    pending_op: op.and_then(|v| serde_json::from_value(v).ok()),
-                    reserved_for: row.get(9),
+        crate::off_runtime::run(move || {
+            rows.into_iter()
+                .map(|row| {
+                    let range: serde_json::Value = row.get(3);
+                    let cursor: serde_json::Value = row.get(5);
+                    let op: Option<serde_json::Value> = row.get(8);
+                    Ok(ShardRow {
+                        key: ShardKey {
+                            task: row.get(0),
+                            epoch: row.get::<i64, _>(1) as u64,
+                            shard_id: row.get::<i32, _>(2) as u32,
+                        },
+                        range: serde_json::from_value(range).map_err(|e| bad(format!("stored range: {e}")))?,
+                        phase: row.get(4),
+                        cursor: Cursor::from_value(&cursor).map_err(|e| bad(e.to_string()))?,
+                        rows_applied: row.get::<i64, _>(6) as u64,
+                        fence: row.get::<i64, _>(7) as u64,
+                        pending_op: op.and_then(|v| serde_json::from_value(v).ok()),
+                        reserved_for: row.get(9),
+                    })
                 })
-            })
-            .collect()
+                .collect()
+        })
+        .await
     }
 
     async fn shard_row(&self, task: &str, shard_id: u32) -> Result<ShardRow, CoordinatorError> {
@@ -434,6 +456,7 @@ pub async fn run_operations(
         .await;
         if !leadership.is_leader() {
             took = started.elapsed();
+            crate::metrics::observe_scan("operations", took);
             continue;
         }
         let result = async {
@@ -453,6 +476,7 @@ pub async fn run_operations(
             tracing::warn!(%error, "shard operations: retrying");
         }
         took = started.elapsed();
+        crate::metrics::observe_scan("operations", took);
     }
 }
 
@@ -464,7 +488,7 @@ async fn operate(
     balance: bool,
     owners: &HashMap<ShardKey, (String, u64)>,
 ) -> Result<(), CoordinatorError> {
-    let shards = control.list_shards(None).await?;
+    let shards = control.shards_with_ops().await?;
     let workers = control.list_workers().await?;
     let ttl = leases.ttl().as_secs_f64();
     let draining: Vec<&str> = workers.iter().filter(|w| w.draining).map(|w| w.id.as_str()).collect();
@@ -504,9 +528,12 @@ async fn operate(
                 control.candidates_changed();
             }
             ShardOp::Merge { with } => {
-                let Some(other) = shards
-                    .iter()
-                    .find(|s| s.key.task == shard.key.task && s.key.shard_id == *with)
+                // Its partner has no operation of its own.
+                let Some(other) = control
+                    .list_shards(Some(&shard.key.task))
+                    .await?
+                    .into_iter()
+                    .find(|s| s.key.shard_id == *with)
                 else {
                     continue;
                 };
@@ -515,13 +542,15 @@ async fn operate(
                 }
                 // Performed once, from the lower of the two.
                 if shard.range.hi.is_some() && shard.range.hi == other.range.lo {
-                    merge(control, task, shard, other).await?;
+                    merge(control, task, shard, &other).await?;
                     control.candidates_changed();
                 }
             }
         }
     }
     if balance && !pending_move {
+        // Moves are performed on the current epoch's shards only (`shards_with_ops`).
+        let shards = control.list_shards(None).await?;
         rebalance(control, owners, &workers, ttl, &shards).await?;
     }
     Ok(())
@@ -542,7 +571,12 @@ async fn rebalance(
     if live.len() < 2 {
         return Ok(());
     }
-    let count = |id: &str| owners.values().filter(|(w, _)| w == id).count();
+    // Counted in one pass: once per worker, it was workers × shards comparisons.
+    let mut held: HashMap<&str, usize> = HashMap::new();
+    for (worker, _) in owners.values() {
+        *held.entry(worker.as_str()).or_default() += 1;
+    }
+    let count = |id: &str| held.get(id).copied().unwrap_or(0);
     let busiest = live.iter().max_by_key(|w| count(&w.id)).expect("non-empty");
     let idlest = live.iter().min_by_key(|w| count(&w.id)).expect("non-empty");
     if count(&busiest.id) < count(&idlest.id) + 2 {

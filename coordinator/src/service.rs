@@ -211,7 +211,10 @@ impl CoordinatorService {
                 }
             };
             match self.assign(&shard, fence, worker_id).await {
-                Ok(Some(assignment)) => return Ok(Some(assignment)),
+                Ok(Some(assignment)) => {
+                    coordinator.capacity.claimed();
+                    return Ok(Some(assignment));
+                }
                 Ok(None) => continue,
                 Err(error) => {
                     // The worker will never hear of this claim: give it back at once rather
