@@ -558,6 +558,7 @@ impl WorkerService for CoordinatorService {
         self.inner.leadership.require().await?;
         let request = request.into_inner();
         let shard = shard_key(&request.task, request.epoch, request.shard_id);
+        self.claims.releasing(&shard);
         self.inner.leases.release(&shard, request.fence_token).await?;
         if !request.failure.is_empty() {
             self.count_failure(&shard, &request).await?;
@@ -582,7 +583,7 @@ impl WorkerService for CoordinatorService {
             .control
             .release(&shard, request.fence_token, &request.worker_id)
             .await?;
-        self.claims.invalidate();
+        self.claims.released(shard.clone());
         tracing::info!(task = %shard.task, shard = shard.shard_id, worker = %request.worker_id, "shard released");
         Ok(Response::new(pb::ReleaseShardResponse {}))
     }

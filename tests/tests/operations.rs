@@ -415,6 +415,14 @@ async fn waiting_shards_are_reported_and_take_turns() {
     );
 
     // Turns: every shard's snapshot completes and later writes arrive, with one worker.
+    let counts = |text: &str| {
+        let of = |name, labels| tidemark_tests::otlp::sample(text, name, labels).unwrap_or(0.0);
+        (
+            of("tidemark_leases_acquired_total", "task=\"items\""),
+            of("tidemark_shard_scan_seconds_count", "scan=\"claim_queue\""),
+        )
+    };
+    let (acquired_before, reads_before) = counts(&text);
     write_changes(&cluster.source, KeyKind::Bigint, 3_000, 2).await;
     let now = cluster.source_now_micros().await;
     cluster.wait_for_watermark(now, Duration::from_secs(120)).await;
@@ -422,6 +430,22 @@ async fn waiting_shards_are_reported_and_take_turns() {
         .items_diff()
         .await
         .assert_clean("one worker, three shards taking turns");
+    // A released shard is checked on its own: releases for turns do not make the coordinator
+    // read every shard again (at 50,000 shards each such read took about a second).
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let (turns, reads) = loop {
+        let (acquired, reads) = counts(&tidemark_tests::otlp::scrape(&metrics).await);
+        let (turns, reads) = (acquired - acquired_before, reads - reads_before);
+        if turns >= 3.0 {
+            break (turns, reads);
+        }
+        assert!(Instant::now() < deadline, "{turns} shards acquired for turns in 90 s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(
+        reads < turns,
+        "{reads} reads of every shard for {turns} turns: a release should not cost one"
+    );
 
     cluster.spawn_worker("b", 4, &[]);
     cluster
