@@ -29,6 +29,18 @@ pub struct ShardKey {
     pub shard_id: u32,
 }
 
+#[cfg(test)]
+impl ShardKey {
+    /// Shard `shard_id` of epoch 1 of a task `items`, for unit tests.
+    pub(crate) fn of_items(shard_id: u32) -> ShardKey {
+        ShardKey {
+            task: "items".into(),
+            epoch: 1,
+            shard_id,
+        }
+    }
+}
+
 /// A shard a worker may claim, and the worker it is reserved for, if any.
 pub struct Candidate {
     pub shard: ShardKey,

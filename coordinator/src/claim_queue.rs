@@ -272,11 +272,7 @@ mod tests {
     use super::*;
 
     fn shard(shard_id: u32) -> ShardKey {
-        ShardKey {
-            task: "items".into(),
-            epoch: 1,
-            shard_id,
-        }
+        ShardKey::of_items(shard_id)
     }
 
     fn candidate(shard_id: u32) -> Candidate {
