@@ -51,11 +51,7 @@ impl ControlDb {
         Ok(crate::off_runtime::run(move || {
             rows.into_iter()
                 .map(|row| RunningShard {
-                    key: ShardKey {
-                        task: row.get(0),
-                        epoch: row.get::<i64, _>(1) as u64,
-                        shard_id: row.get::<i32, _>(2) as u32,
-                    },
+                    key: ShardKey::from_pg_row(&row),
                     incremental: row.get(3),
                     held: Duration::from_secs_f64(row.get::<f64, _>(4).max(0.0)),
                     releasing: row.get(5),

@@ -29,6 +29,17 @@ pub struct ShardKey {
     pub shard_id: u32,
 }
 
+impl ShardKey {
+    /// The key in a control-database row's first three columns: task, epoch, shard id.
+    pub(crate) fn from_pg_row(row: &sqlx::postgres::PgRow) -> ShardKey {
+        ShardKey {
+            task: row.get(0),
+            epoch: row.get::<i64, _>(1) as u64,
+            shard_id: row.get::<i32, _>(2) as u32,
+        }
+    }
+}
+
 #[cfg(test)]
 impl ShardKey {
     /// Shard `shard_id` of epoch 1 of a task `items`, for unit tests.
@@ -1007,11 +1018,7 @@ impl ControlDb {
         let decode = move || {
             rows.into_iter()
                 .map(|row| Candidate {
-                    shard: ShardKey {
-                        task: row.get(0),
-                        epoch: row.get::<i64, _>(1) as u64,
-                        shard_id: row.get::<i32, _>(2) as u32,
-                    },
+                    shard: ShardKey::from_pg_row(&row),
                     reserved_for: row.get(3),
                 })
                 .collect()

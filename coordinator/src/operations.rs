@@ -126,11 +126,7 @@ impl ControlDb {
                     let cursor: serde_json::Value = row.get(5);
                     let op: Option<serde_json::Value> = row.get(8);
                     Ok(ShardRow {
-                        key: ShardKey {
-                            task: row.get(0),
-                            epoch: row.get::<i64, _>(1) as u64,
-                            shard_id: row.get::<i32, _>(2) as u32,
-                        },
+                        key: ShardKey::from_pg_row(&row),
                         range: serde_json::from_value(range).map_err(|e| bad(format!("stored range: {e}")))?,
                         phase: row.get(4),
                         cursor: Cursor::from_value(&cursor).map_err(|e| bad(e.to_string()))?,
