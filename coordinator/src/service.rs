@@ -179,13 +179,25 @@ impl CoordinatorService {
         })
     }
 
-    async fn acquire(&self, worker_id: &str, lease_id: i64) -> Result<Option<pb::ShardAssignment>, CoordinatorError> {
+    /// Claims up to `want` shards for `worker_id` (at least one, at most [`MOST_CLAIMS`]) and
+    /// its share of those waiting: the shards the queue holds for it, divided by the workers
+    /// heard from within a lease TTL, rounded up. The share keeps the first of several workers
+    /// that start together from taking every shard; taking several in one call turns a burst
+    /// of one-shard acquires (a vanished worker's shards, a cluster's start) into one etcd
+    /// transaction and one grouped control write per call.
+    async fn acquire(
+        &self,
+        worker_id: &str,
+        lease_id: i64,
+        want: u32,
+    ) -> Result<Vec<pb::ShardAssignment>, CoordinatorError> {
         let coordinator = &self.inner;
+        self.seen.noted(worker_id);
         // Changes this process reported that can make shards claimable, and terms as leader
         // (another leader may have changed anything meanwhile): both only grow.
         let changes = coordinator.control.candidates_generation() + coordinator.leadership.terms();
         if !self.claims.may_have(worker_id, changes) {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         if !coordinator.leases.lease_alive(lease_id).await? {
             return Err(CoordinatorError::LeaseExpired { lease_id });
@@ -193,40 +205,87 @@ impl CoordinatorService {
         // Paused tasks are filtered in the control database, which every replica shares.
         let active: Vec<String> = coordinator.tasks.keys().cloned().collect();
         if coordinator.control.worker_draining(worker_id).await? {
-            return Ok(None);
+            return Ok(Vec::new());
         }
-        while let Some(shard) = self
-            .claims
-            .next(worker_id, changes, &active, &coordinator.control, &coordinator.leases)
-            .await?
-        {
-            let fence = match coordinator.leases.try_claim(&shard, worker_id, lease_id).await {
-                Ok(Some(fence)) => fence,
-                // Owned meanwhile: its end will be reported.
-                Ok(None) => continue,
-                Err(error) => {
-                    // Taken from the queue but not claimed: read it again at the next acquire.
-                    self.claims.invalidate();
-                    return Err(error);
+        let want = (want.max(1) as usize).min(MOST_CLAIMS);
+        let mut assigned = Vec::new();
+        let mut target = None;
+        loop {
+            let mut shards = Vec::new();
+            while assigned.len() + shards.len() < target.unwrap_or(1) {
+                let next = self
+                    .claims
+                    .next(worker_id, changes, &active, &coordinator.control, &coordinator.leases)
+                    .await;
+                match next {
+                    Ok(Some(shard)) => shards.push(shard),
+                    Ok(None) => break,
+                    Err(error) if shards.is_empty() && assigned.is_empty() => return Err(error),
+                    Err(_) => break,
                 }
-            };
-            match self.assign(&shard, fence, worker_id).await {
-                Ok(Some(assignment)) => {
-                    coordinator.capacity.claimed();
-                    return Ok(Some(assignment));
-                }
-                Ok(None) => continue,
-                Err(error) => {
-                    // The worker will never hear of this claim: give it back at once rather
-                    // than leave the shard owned by nobody who works on it.
-                    if let Err(release_error) = coordinator.leases.release(&shard, fence).await {
-                        tracing::warn!(task = %shard.task, shard = shard.shard_id, %release_error, "could not release a failed claim; it expires with the lease");
-                    }
-                    return Err(error);
+                if target.is_none() {
+                    // Decided once, after the first take has read what waits.
+                    let waiting = 1 + self.claims.waiting(worker_id);
+                    let live = self.seen.live(coordinator.leases.ttl());
+                    target = Some(want.min(waiting.div_ceil(live)));
                 }
             }
+            if shards.is_empty() {
+                break;
+            }
+            let fences = match coordinator.leases.try_claim_many(&shards, worker_id, lease_id).await {
+                Ok(fences) => fences,
+                Err(error) => {
+                    // Taken from the queue but not claimed: read them again at the next acquire.
+                    self.claims.invalidate();
+                    if assigned.is_empty() {
+                        return Err(error);
+                    }
+                    break;
+                }
+            };
+            // Owned meanwhile (`None`): their end will be reported. The rest are recorded
+            // together (`claims_recorded` groups concurrent calls in one transaction).
+            let claimed: Vec<(ShardKey, u64)> = shards
+                .into_iter()
+                .zip(fences)
+                .filter_map(|(shard, fence)| Some((shard, fence?)))
+                .collect();
+            let recorded = futures::future::join_all(
+                claimed
+                    .iter()
+                    .map(|(shard, fence)| self.assign(shard, *fence, worker_id)),
+            )
+            .await;
+            let mut failed = None;
+            for ((shard, fence), result) in claimed.iter().zip(recorded) {
+                match result {
+                    Ok(Some(assignment)) => assigned.push(assignment),
+                    Ok(None) => {}
+                    Err(error) => {
+                        // The worker will never hear of this claim: give it back at once
+                        // rather than leave the shard owned by nobody who works on it.
+                        if let Err(release_error) = coordinator.leases.release(shard, *fence).await {
+                            tracing::warn!(task = %shard.task, shard = shard.shard_id, %release_error, "could not release a failed claim; it expires with the lease");
+                        }
+                        failed.get_or_insert(error);
+                    }
+                }
+            }
+            if let Some(error) = failed {
+                if assigned.is_empty() {
+                    return Err(error);
+                }
+                break;
+            }
+            if assigned.len() >= target.unwrap_or(1) {
+                break;
+            }
         }
-        Ok(None)
+        if !assigned.is_empty() {
+            coordinator.capacity.claimed();
+        }
+        Ok(assigned)
     }
 
     /// Records a claimed shard's new owner in the control database and builds the
@@ -284,6 +343,10 @@ impl CoordinatorService {
         }))
     }
 }
+
+/// The most shards one acquire claims: one etcd transaction of a compare-and-put each (etcd
+/// allows 128 operations in one by default).
+const MOST_CLAIMS: usize = 32;
 
 fn shard_key(task: &str, epoch: u64, shard_id: u32) -> ShardKey {
     ShardKey {
@@ -421,6 +484,7 @@ impl WorkerService for CoordinatorService {
             .register_worker_row(&request.worker_id, lease_id)
             .await?;
         let ttl = self.inner.leases.ttl();
+        self.seen.noted(&request.worker_id);
         tracing::info!(worker = %request.worker_id, lease_id, "worker registered");
         Ok(Response::new(pb::RegisterWorkerResponse {
             lease_id,
@@ -454,8 +518,14 @@ impl WorkerService for CoordinatorService {
     ) -> Result<Response<pb::AcquireShardResponse>, Status> {
         self.inner.leadership.require().await?;
         let request = request.into_inner();
-        let assignment = self.acquire(&request.worker_id, request.lease_id).await?;
-        Ok(Response::new(pb::AcquireShardResponse { assignment }))
+        let mut assigned = self
+            .acquire(&request.worker_id, request.lease_id, request.max_shards)
+            .await?
+            .into_iter();
+        Ok(Response::new(pb::AcquireShardResponse {
+            assignment: assigned.next(),
+            more: assigned.collect(),
+        }))
     }
 
     async fn register_batch(

@@ -1,9 +1,10 @@
 //! The lease interface's rules, one suite run against both stores: etcd (a real etcd process)
 //! and the coordinator's in-process leases (`tidemark sync`). A shard is claimed only when
-//! free; every claim's fence token is larger than every earlier one; a release takes effect
-//! only under the fence it was claimed with; a lease that is not kept alive expires within its
-//! TTL and frees what it owned, while one kept alive keeps it; and every ownership that ends,
-//! by release or expiry, is reported by the freed feed (`watch_freed`), and no other.
+//! free (one at a time or several in one call); every claim's fence token is larger than every
+//! earlier claim's; a release takes effect only under the fence it was claimed with; a lease
+//! that is not kept alive expires within its TTL and frees what it owned, while one kept alive
+//! keeps it; and every ownership that ends, by release or expiry, is reported by the freed feed
+//! (`watch_freed`), and no other.
 
 use std::time::Duration;
 
@@ -67,6 +68,34 @@ async fn lease_rules(leases: Leases, fence_floor: u64) {
     assert_eq!(released, vec![shard(0)], "the feed after one release (and a stale one)");
     let second = leases.try_claim(&shard(0), "b", b).await.unwrap().expect("freed");
     assert!(second > other);
+
+    // Several in one call: each free one is claimed, a held one is not, and does not stop
+    // the others.
+    let many = leases
+        .try_claim_many(&[shard(3), shard(1), shard(4)], "a", a)
+        .await
+        .unwrap();
+    assert_eq!(many[1], None, "shard 1 is b's: {many:?}");
+    let (Some(on_3), Some(on_4)) = (many[0], many[2]) else {
+        panic!("free shards not claimed: {many:?}");
+    };
+    assert!(on_3 > second && on_4 > second, "{many:?} not above {second}");
+    let owners = leases.owners().await.unwrap();
+    assert_eq!(owners.get(&shard(1)), Some(&("b".to_string(), other)));
+    assert_eq!(owners.get(&shard(3)), Some(&("a".to_string(), on_3)));
+    assert_eq!(owners.get(&shard(4)), Some(&("a".to_string(), on_4)));
+    assert_eq!(
+        leases.try_claim_many(&[shard(3), shard(4)], "b", b).await.unwrap(),
+        vec![None, None],
+        "held by a"
+    );
+    leases.release(&shard(3), on_3).await.unwrap();
+    leases.release(&shard(4), on_4).await.unwrap();
+    let released = freed_within(&mut freed, &[shard(3), shard(4)], TTL).await;
+    assert!(
+        released.contains(&shard(3)) && released.contains(&shard(4)),
+        "{released:?}"
+    );
 
     // `a` is kept alive, `b` is not: b's lease expires and takes its shards with it. `c` was
     // kept alive once (etcd: its keep-alive stream stays open) and then left to expire.

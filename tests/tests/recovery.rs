@@ -178,6 +178,7 @@ async fn register_and_acquire(
         .acquire_shard(pb::AcquireShardRequest {
             worker_id: worker_id.into(),
             lease_id,
+            max_shards: 1,
         })
         .await
         .unwrap()
@@ -1276,4 +1277,81 @@ async fn a_claim_group_answers_each_claim_on_its_own() {
         owner_of(a.shard_id),
         (a.shard_id as i32, Some("w-a2".into()), (a.fence_token + 1_000) as i64)
     );
+}
+
+/// One acquire claims several shards (one etcd transaction, one grouped control write), at
+/// most what the worker asks for and its share of the shards waiting: those waiting divided
+/// by the workers the leader heard from, rounded up. A worker that asks for none by number
+/// (one that predates the field) gets one. Each shard is claimed once, and the control
+/// database records each claim's owner and fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_acquire_claims_up_to_the_workers_share() {
+    let mut cluster = Cluster::new("many").await;
+    create_items(&cluster.source, KeyKind::Bigint, 800).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 8,
+            ..TaskSettings::default()
+        })
+        .await;
+    let mut client = worker_client(&cluster).await;
+    let mut leases = std::collections::HashMap::new();
+    for worker in ["w-a", "w-b"] {
+        let lease = client
+            .register_worker(pb::RegisterWorkerRequest {
+                worker_id: worker.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease_id;
+        leases.insert(worker, lease);
+    }
+    let mut acquire = async |worker: &'static str, max_shards: u32| -> Vec<pb::ShardAssignment> {
+        let response = client
+            .acquire_shard(pb::AcquireShardRequest {
+                worker_id: worker.into(),
+                lease_id: leases[worker],
+                max_shards,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            response.assignment.is_some() || response.more.is_empty(),
+            "more shards without a first"
+        );
+        response.assignment.into_iter().chain(response.more).collect()
+    };
+    let a = acquire("w-a", 8).await;
+    assert_eq!(a.len(), 4, "8 waiting, 2 workers: a share of 4");
+    let b = acquire("w-b", 2).await;
+    assert_eq!(b.len(), 2, "asked for 2");
+    let old = acquire("w-b", 0).await;
+    assert_eq!(old.len(), 1, "a worker that names no number gets one");
+    let last = acquire("w-a", 8).await;
+    assert_eq!(last.len(), 1, "one left");
+    assert!(acquire("w-a", 8).await.is_empty(), "none left");
+
+    let mut held: Vec<(&str, &pb::ShardAssignment)> = Vec::new();
+    held.extend(a.iter().chain(&last).map(|s| ("w-a", s)));
+    held.extend(b.iter().chain(&old).map(|s| ("w-b", s)));
+    let mut ids: Vec<u32> = held.iter().map(|(_, s)| s.shard_id).collect();
+    ids.sort();
+    assert_eq!(ids, (0..8).collect::<Vec<u32>>(), "each shard claimed once");
+    for (worker, assignment) in held {
+        let (owner, fence): (Option<String>, i64) =
+            sqlx::query_as("SELECT owner, fence FROM checkpoints WHERE shard_id = $1")
+                .bind(assignment.shard_id as i32)
+                .fetch_one(&cluster.control.pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            (owner.as_deref(), fence),
+            (Some(worker), assignment.fence_token as i64),
+            "shard {}",
+            assignment.shard_id
+        );
+        assert!(assignment.fence_token > 0 && assignment.task.is_some());
+    }
 }

@@ -141,22 +141,25 @@ impl CoordinatorClient {
             .lease_alive)
     }
 
-    pub async fn acquire_shard(
+    /// Up to `max_shards` shards (the coordinator may give fewer, or none when none is free).
+    pub async fn acquire_shards(
         &self,
         worker_id: &str,
         lease_id: i64,
-    ) -> Result<Option<pb::ShardAssignment>, WorkerError> {
+        max_shards: u32,
+    ) -> Result<Vec<pb::ShardAssignment>, WorkerError> {
         let request = pb::AcquireShardRequest {
             worker_id: worker_id.to_string(),
             lease_id,
+            max_shards,
         };
-        Ok(self
+        let response = self
             .once(|mut c| {
                 let request = request.clone();
                 async move { c.acquire_shard(request).await }
             })
-            .await?
-            .assignment)
+            .await?;
+        Ok(response.assignment.into_iter().chain(response.more).collect())
     }
 
     pub async fn register_batch(&self, request: pb::RegisterBatchRequest) -> Result<(), WorkerError> {

@@ -147,8 +147,9 @@ async fn run_lease(
     mut lease_lost: watch::Receiver<bool>,
 ) {
     let mut shards: JoinSet<ShardEnded> = JoinSet::new();
-    // The first acquire goes at once; after a claim, the next one too (up to `max_shards`);
-    // after an empty answer or an error, a second later.
+    // The first acquire goes at once and asks for as many shards as there is room for; after
+    // a claim, the next one too (up to `max_shards`); after an empty answer or an error, a
+    // second later.
     let mut idle_delay = Duration::ZERO;
     loop {
         if *stop.borrow() {
@@ -185,12 +186,15 @@ async fn run_lease(
                 }
             }
             _ = tokio::time::sleep(idle_delay), if can_take => {
-                match client.acquire_shard(worker_id, lease_id).await {
-                    Ok(Some(assignment)) => {
+                let room = options.max_shards - shards.len() as u32;
+                match client.acquire_shards(worker_id, lease_id, room).await {
+                    Ok(assignments) if !assignments.is_empty() => {
                         idle_delay = Duration::ZERO;
-                        spawn_shard(&mut shards, worker_id, client, resources, options.max_shards, assignment, stop.clone()).await;
+                        for assignment in assignments {
+                            spawn_shard(&mut shards, worker_id, client, resources, options.max_shards, assignment, stop.clone()).await;
+                        }
                     }
-                    Ok(None) => idle_delay = Duration::from_secs(1),
+                    Ok(_) => idle_delay = Duration::from_secs(1),
                     Err(WorkerError::Fenced(message)) => {
                         tracing::warn!(%message, "lease refused; registering again");
                         shards.abort_all();

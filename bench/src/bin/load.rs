@@ -40,6 +40,10 @@ struct Args {
     /// an even share, so that the survivors have room for a vanished worker's shards.
     #[arg(long, default_value_t = 0)]
     max_shards: usize,
+    /// Ask for one shard per acquire, as workers before multi-shard acquires did (by default
+    /// a worker asks for as many as it has room for).
+    #[arg(long)]
+    one_shard_acquires: bool,
     /// Pause between one shard's batches (its commit and its next registration).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     batch_interval: Duration,
@@ -344,33 +348,43 @@ async fn worker(
         if shards.len() < args.max_shards {
             tokio::time::sleep(idle).await;
             let started = Instant::now();
+            let room = if args.one_shard_acquires {
+                1
+            } else {
+                args.max_shards - shards.len()
+            };
             match client
                 .acquire_shard(pb::AcquireShardRequest {
                     worker_id: worker_id.clone(),
                     lease_id,
+                    max_shards: room as u32,
                 })
                 .await
             {
                 Ok(response) => {
                     shared.latencies.record("acquire_shard", started).await;
-                    match response.into_inner().assignment {
-                        Some(assignment) => {
-                            idle = Duration::from_millis(50);
-                            shared
-                                .owners
-                                .lock()
-                                .await
-                                .insert(shard_ref(&assignment), (number, Instant::now()));
-                            shards.spawn(run_shard(
-                                client.clone(),
-                                worker_id.clone(),
-                                assignment,
-                                args.batch_interval,
-                                shared.clone(),
-                                if vanishes { Some(vanish.clone()) } else { None },
-                            ));
-                        }
-                        None => idle = Duration::from_secs(1),
+                    let response = response.into_inner();
+                    let assignments: Vec<pb::ShardAssignment> =
+                        response.assignment.into_iter().chain(response.more).collect();
+                    idle = if assignments.is_empty() {
+                        Duration::from_secs(1)
+                    } else {
+                        Duration::from_millis(50)
+                    };
+                    for assignment in assignments {
+                        shared
+                            .owners
+                            .lock()
+                            .await
+                            .insert(shard_ref(&assignment), (number, Instant::now()));
+                        shards.spawn(run_shard(
+                            client.clone(),
+                            worker_id.clone(),
+                            assignment,
+                            args.batch_interval,
+                            shared.clone(),
+                            if vanishes { Some(vanish.clone()) } else { None },
+                        ));
                     }
                 }
                 Err(status) => {
@@ -672,13 +686,16 @@ fn bucket_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Optio
         .map(|(le, _)| *le)
 }
 
-/// etcd's own metrics: (gRPC requests handled, keys, CPU seconds).
-async fn etcd_metrics(endpoint: &str) -> (f64, f64, f64) {
+/// etcd's own metrics: (gRPC requests handled, keys, CPU seconds, raft proposals applied,
+/// applies slower than 100 ms).
+async fn etcd_metrics(endpoint: &str) -> (f64, f64, f64, f64, f64) {
     let text = scrape(endpoint.trim_start_matches("http://")).await;
     (
         metric_sum(&text, "grpc_server_handled_total"),
         metric_sum(&text, "etcd_debugging_mvcc_keys_total"),
         metric_sum(&text, "process_cpu_seconds_total"),
+        metric_sum(&text, "etcd_server_proposals_applied_total"),
+        metric_sum(&text, "etcd_server_slow_apply_total"),
     )
 }
 
@@ -846,7 +863,7 @@ async fn main() {
     let (harness0, _, _) = process_usage(std::process::id());
     let box0 = box_ticks();
     let wal0 = wal_stats(&cluster.control.pool).await;
-    let (etcd_requests0, _, etcd_cpu0) = etcd_metrics(&cluster.etcd.endpoint).await;
+    let (etcd_requests0, _, etcd_cpu0, etcd_applied0, etcd_slow0) = etcd_metrics(&cluster.etcd.endpoint).await;
     let metrics0 = scrape(&coordinator_metrics).await;
     shared.measuring.store(true, Ordering::Relaxed);
     let measure = Instant::now();
@@ -872,7 +889,7 @@ async fn main() {
     let (harness1, _, _) = process_usage(std::process::id());
     let box1 = box_ticks();
     let wal1 = wal_stats(&cluster.control.pool).await;
-    let (etcd_requests1, etcd_keys, etcd_cpu1) = etcd_metrics(&cluster.etcd.endpoint).await;
+    let (etcd_requests1, etcd_keys, etcd_cpu1, etcd_applied1, etcd_slow1) = etcd_metrics(&cluster.etcd.endpoint).await;
     let metrics1 = scrape(&coordinator_metrics).await;
     shared.measuring.store(false, Ordering::Relaxed);
     let mut harness_delay = harness_delay.await.unwrap();
@@ -958,14 +975,15 @@ async fn main() {
             percentile(&values, 1.0)
         );
     }
-    if let Some(commits) = latencies.get("commit_batch") {
-        let vanish_second = vanished_at.duration_since(measure).as_secs();
-        let seconds: Vec<String> = slowest_seconds(commits, measure, 6)
+    let vanish_second = vanished_at.duration_since(measure).as_secs();
+    for call in ["commit_batch", "heartbeat", "acquire_shard"] {
+        let Some(calls) = latencies.get(call) else { continue };
+        let seconds: Vec<String> = slowest_seconds(calls, measure, 6)
             .iter()
-            .map(|(second, n, p99, max)| format!("{second} s: {n} commits, p99 {p99:.0} max {max:.0}"))
+            .map(|(second, n, p99, max)| format!("{second} s: {n} calls, p99 {p99:.0} max {max:.0}"))
             .collect();
         println!(
-            "commit_batch's slowest seconds (ms; the workers vanished at {vanish_second} s; second 0 began at \
+            "{call}'s slowest seconds (ms; the workers vanished at {vanish_second} s; second 0 began at \
              {:.3} s after the Unix epoch, to compare with the logs): {}",
             measure_wall.as_secs_f64(),
             seconds.join("; ")
@@ -1039,10 +1057,12 @@ async fn main() {
         percentile(&harness_delay, 1.0),
     );
     println!(
-        "etcd: {:.0} requests/s, {:.0} keys, {:.2} CPU cores",
+        "etcd: {:.0} requests/s, {:.0} keys, {:.2} CPU cores, {:.0} raft proposals applied, {:.0} applies over 100 ms",
         (etcd_requests1 - etcd_requests0) / seconds,
         etcd_keys,
-        (etcd_cpu1 - etcd_cpu0) / seconds
+        (etcd_cpu1 - etcd_cpu0) / seconds,
+        etcd_applied1 - etcd_applied0,
+        etcd_slow1 - etcd_slow0
     );
     println!("control database: {}", control_size(&cluster.control.pool).await);
     let wal = |i: usize| (wal1[i] - wal0[i]) / seconds;

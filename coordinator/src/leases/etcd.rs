@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
-    Txn, TxnOp, WatchFilterType, WatchOptions, WatchStream,
+    Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions, WatchStream,
 };
 use tidemark_common::tls::ClientTls;
 
@@ -221,6 +221,53 @@ impl EtcdLeases {
             .map(|h| h.revision())
             .ok_or_else(|| CoordinatorError::InvalidRequest("etcd txn response without header".into()))?;
         Ok(Some(revision as u64))
+    }
+
+    /// Creates the ownership keys no one holds, in one transaction of one compare-and-put
+    /// per shard (one raft write for all): the fence token of each is the transaction's
+    /// revision, strictly greater than any earlier owner's of the same shard. `None` for a
+    /// shard someone holds.
+    pub(crate) async fn try_claim_many(
+        &self,
+        shards: &[ShardKey],
+        worker_id: &str,
+        lease_id: i64,
+    ) -> Result<Vec<Option<u64>>, CoordinatorError> {
+        if let [shard] = shards {
+            return Ok(vec![self.try_claim(shard, worker_id, lease_id).await?]);
+        }
+        let claims: Vec<TxnOp> = shards
+            .iter()
+            .map(|shard| {
+                let key = self.owner_key(shard);
+                TxnOp::txn(
+                    Txn::new()
+                        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                        .and_then([TxnOp::put(key, worker_id, Some(PutOptions::new().with_lease(lease_id)))]),
+                )
+            })
+            .collect();
+        let response = self.client.clone().txn(Txn::new().and_then(claims)).await?;
+        let revision = response
+            .header()
+            .map(|h| h.revision() as u64)
+            .ok_or_else(|| CoordinatorError::InvalidRequest("etcd txn response without header".into()))?;
+        let claimed: Vec<Option<u64>> = response
+            .op_responses()
+            .into_iter()
+            .map(|op| match op {
+                TxnOpResponse::Txn(inner) if inner.succeeded() => Some(revision),
+                _ => None,
+            })
+            .collect();
+        if claimed.len() != shards.len() {
+            return Err(CoordinatorError::InvalidRequest(format!(
+                "etcd answered {} of {} claims",
+                claimed.len(),
+                shards.len()
+            )));
+        }
+        Ok(claimed)
     }
 
     /// Deletes the ownership key if it is still the one created under `fence`.

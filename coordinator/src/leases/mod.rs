@@ -108,6 +108,23 @@ impl Leases {
         }
     }
 
+    /// Takes each of `shards` no one holds, all in one round trip; the fence token of each
+    /// claimed one, in order.
+    pub async fn try_claim_many(
+        &self,
+        shards: &[ShardKey],
+        worker_id: &str,
+        lease_id: i64,
+    ) -> Result<Vec<Option<u64>>, CoordinatorError> {
+        match &self.store {
+            Store::Etcd(etcd) => etcd.try_claim_many(shards, worker_id, lease_id).await,
+            Store::Local(local) => Ok(shards
+                .iter()
+                .map(|shard| local.try_claim(shard, worker_id, lease_id))
+                .collect()),
+        }
+    }
+
     /// Gives the shard up if it is still held under `fence`.
     pub async fn release(&self, shard: &ShardKey, fence: u64) -> Result<(), CoordinatorError> {
         match &self.store {
