@@ -192,6 +192,12 @@ impl ClaimQueue {
         self.locked().freed.push(shard);
     }
 
+    /// Shards taken from the queue but not claimed (the acquiring worker's lease was gone):
+    /// the next acquire checks them again.
+    pub(crate) fn unclaimed(&self, shards: Vec<ShardKey>) {
+        self.locked().freed.extend(shards);
+    }
+
     /// Forgets the last read: a task resumed or a claim failed, and the next acquire should
     /// read everything.
     pub(crate) fn invalidate(&self) {

@@ -192,16 +192,14 @@ impl CoordinatorService {
         want: u32,
     ) -> Result<Vec<pb::ShardAssignment>, CoordinatorError> {
         let coordinator = &self.inner;
-        self.seen.noted(worker_id);
         // Changes this process reported that can make shards claimable, and terms as leader
         // (another leader may have changed anything meanwhile): both only grow.
         let changes = coordinator.control.candidates_generation() + coordinator.leadership.terms();
         if !self.claims.may_have(worker_id, changes) {
             return Ok(Vec::new());
         }
-        if !coordinator.leases.lease_alive(lease_id).await? {
-            return Err(CoordinatorError::LeaseExpired { lease_id });
-        }
+        // The claim checks the lease (`LeaseExpired`); an acquire that finds nothing to claim
+        // does not, and the worker hears of its expired lease from its next heartbeat.
         // Paused tasks are filtered in the control database, which every replica shares.
         let active: Vec<String> = coordinator.tasks.keys().cloned().collect();
         if coordinator.control.worker_draining(worker_id).await? {
@@ -235,6 +233,11 @@ impl CoordinatorService {
             }
             let fences = match coordinator.leases.try_claim_many(&shards, worker_id, lease_id).await {
                 Ok(fences) => fences,
+                Err(error @ CoordinatorError::LeaseExpired { .. }) => {
+                    // Nothing was claimed: offer them to the next acquire.
+                    self.claims.unclaimed(shards);
+                    return Err(error);
+                }
                 Err(error) => {
                     // Taken from the queue but not claimed: read them again at the next acquire.
                     self.claims.invalidate();

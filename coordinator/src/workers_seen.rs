@@ -24,7 +24,8 @@ pub(crate) struct WorkersSeen {
 struct State {
     heard: HashSet<String>,
     flushed_at: Option<Instant>,
-    /// When each worker was last heard from by this process: registered, heartbeat, acquire.
+    /// When each worker was last heard from by this process: registered, or a heartbeat that
+    /// found its lease alive.
     last: HashMap<String, Instant>,
 }
 
@@ -33,7 +34,7 @@ impl WorkersSeen {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Notes that `worker` is alive now (it registered or asked for shards), for [`Self::live`].
+    /// Notes that `worker` is alive now (it registered), for [`Self::live`].
     pub(crate) fn noted(&self, worker: &str) {
         self.locked().last.insert(worker.to_string(), Instant::now());
     }

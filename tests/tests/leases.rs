@@ -4,11 +4,12 @@
 //! earlier claim's; a release takes effect only under the fence it was claimed with; a lease
 //! that is not kept alive expires within its TTL and frees what it owned, while one kept alive
 //! keeps it; and every ownership that ends, by release or expiry, is reported by the freed feed
-//! (`watch_freed`), and no other.
+//! (`watch_freed`), and no other. A claim under an expired lease is refused by name.
 
 use std::time::Duration;
 
 use tidemark_coordinator::checkpoints::ShardKey;
+use tidemark_coordinator::error::CoordinatorError;
 use tidemark_coordinator::leases::{Freed, Leases};
 use tidemark_tests::Etcd;
 
@@ -127,6 +128,19 @@ async fn lease_rules(leases: Leases, fence_floor: u64) {
     let mut expired = freed_within(&mut freed, &[shard(0), shard(1)], TTL).await;
     expired.sort_by_key(|shard| shard.shard_id);
     assert_eq!(expired, vec![shard(0), shard(1)], "the feed after b's lease expired");
+    // A claim under an expired lease is refused by name, and claims nothing.
+    for claim in [vec![shard(5)], vec![shard(5), shard(6)]] {
+        let refused = leases.try_claim_many(&claim, "b", b).await;
+        assert!(
+            matches!(refused, Err(CoordinatorError::LeaseExpired { lease_id }) if lease_id == b),
+            "{refused:?}"
+        );
+    }
+    let owners = leases.owners().await.unwrap();
+    assert!(
+        !owners.contains_key(&shard(5)) && !owners.contains_key(&shard(6)),
+        "{owners:?}"
+    );
     let third = leases
         .try_claim(&shard(0), "a", a)
         .await

@@ -1355,3 +1355,68 @@ async fn one_acquire_claims_up_to_the_workers_share() {
         assert!(assignment.fence_token > 0 && assignment.task.is_some());
     }
 }
+
+/// An acquire under an expired lease is refused by name (the claim itself checks the lease,
+/// in etcd), and the shards it took from the claim queue go to the next worker at once, not
+/// at the queue's correcting read a minute later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_under_an_expired_lease_is_refused_and_claims_nothing() {
+    let mut cluster = Cluster::new("expired").await;
+    create_items(&cluster.source, KeyKind::Bigint, 200).await;
+    cluster
+        .start(&TaskSettings {
+            shards: 2,
+            ..TaskSettings::default()
+        })
+        .await;
+    let mut client = worker_client(&cluster).await;
+    let register = async |client: &mut WorkerServiceClient<tonic::transport::Channel>, worker: &str| {
+        client
+            .register_worker(pb::RegisterWorkerRequest {
+                worker_id: worker.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    };
+    let gone = register(&mut client, "w-gone").await;
+    // Never kept alive: expired one TTL later (etcd checks expiry every 500 ms).
+    tokio::time::sleep(Duration::from_millis(gone.lease_ttl_ms + 1_500)).await;
+    let refused = client
+        .acquire_shard(pb::AcquireShardRequest {
+            worker_id: "w-gone".into(),
+            lease_id: gone.lease_id,
+            max_shards: 2,
+        })
+        .await
+        .expect_err("an expired lease claims nothing");
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    assert!(refused.message().contains("lease"), "{refused:?}");
+
+    let live = register(&mut client, "w-live").await;
+    let started = std::time::Instant::now();
+    let response = client
+        .acquire_shard(pb::AcquireShardRequest {
+            worker_id: "w-live".into(),
+            lease_id: live.lease_id,
+            max_shards: 2,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let taken: Vec<pb::ShardAssignment> = response.assignment.into_iter().chain(response.more).collect();
+    assert_eq!(taken.len(), 2, "both shards, in the first acquire after the refusal");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    for assignment in &taken {
+        let (owner, fence): (Option<String>, i64) =
+            sqlx::query_as("SELECT owner, fence FROM checkpoints WHERE shard_id = $1")
+                .bind(assignment.shard_id as i32)
+                .fetch_one(&cluster.control.pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            (owner.as_deref(), fence),
+            (Some("w-live"), assignment.fence_token as i64)
+        );
+    }
+}

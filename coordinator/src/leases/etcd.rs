@@ -201,7 +201,10 @@ impl EtcdLeases {
         Ok(response.ttl() > 0)
     }
 
-    /// Creates the ownership key if no one holds it; the fence token is its revision.
+    /// Creates the ownership key if no one holds it; the fence token is its revision. An
+    /// expired lease is `LeaseExpired`: etcd refuses a put under a lease it does not have, so
+    /// the claim itself checks the lease (a separate `lease_alive` waited, like every lease
+    /// call, for etcd to apply everything committed before it).
     pub(crate) async fn try_claim(
         &self,
         shard: &ShardKey,
@@ -212,7 +215,12 @@ impl EtcdLeases {
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key, worker_id, Some(PutOptions::new().with_lease(lease_id)))]);
-        let response = self.client.clone().txn(txn).await?;
+        let response = self
+            .client
+            .clone()
+            .txn(txn)
+            .await
+            .map_err(|error| claim_error(error, lease_id))?;
         if !response.succeeded() {
             return Ok(None);
         }
@@ -247,7 +255,12 @@ impl EtcdLeases {
                 )
             })
             .collect();
-        let response = self.client.clone().txn(Txn::new().and_then(claims)).await?;
+        let response = self
+            .client
+            .clone()
+            .txn(Txn::new().and_then(claims))
+            .await
+            .map_err(|error| claim_error(error, lease_id))?;
         let revision = response
             .header()
             .map(|h| h.revision() as u64)
@@ -362,4 +375,17 @@ fn shard_under(prefix: &str, key: &str) -> Option<ShardKey> {
         epoch: epoch.parse().ok()?,
         shard_id: shard_id.parse().ok()?,
     })
+}
+
+/// A claim's error: etcd's refusal of a put under a lease it does not have is the worker's
+/// expired lease.
+fn claim_error(error: etcd_client::Error, lease_id: i64) -> CoordinatorError {
+    match &error {
+        etcd_client::Error::GRpcStatus(status)
+            if status.code() == tonic::Code::NotFound && status.message().contains("lease not found") =>
+        {
+            CoordinatorError::LeaseExpired { lease_id }
+        }
+        _ => error.into(),
+    }
 }

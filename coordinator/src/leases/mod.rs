@@ -109,7 +109,7 @@ impl Leases {
     }
 
     /// Takes each of `shards` no one holds, all in one round trip; the fence token of each
-    /// claimed one, in order.
+    /// claimed one, in order. `LeaseExpired` when `lease_id` is gone, and nothing is claimed.
     pub async fn try_claim_many(
         &self,
         shards: &[ShardKey],
@@ -118,6 +118,7 @@ impl Leases {
     ) -> Result<Vec<Option<u64>>, CoordinatorError> {
         match &self.store {
             Store::Etcd(etcd) => etcd.try_claim_many(shards, worker_id, lease_id).await,
+            Store::Local(local) if !local.alive(lease_id) => Err(CoordinatorError::LeaseExpired { lease_id }),
             Store::Local(local) => Ok(shards
                 .iter()
                 .map(|shard| local.try_claim(shard, worker_id, lease_id))
