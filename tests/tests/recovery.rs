@@ -162,28 +162,51 @@ async fn worker_client(cluster: &Cluster) -> WorkerServiceClient<tonic::transpor
 }
 
 /// Registers a worker over gRPC and acquires one shard for it.
-async fn register_and_acquire(
+async fn register(
     client: &mut WorkerServiceClient<tonic::transport::Channel>,
     worker_id: &str,
-) -> Option<pb::ShardAssignment> {
-    let lease_id = client
+) -> pb::RegisterWorkerResponse {
+    client
         .register_worker(pb::RegisterWorkerRequest {
             worker_id: worker_id.into(),
         })
         .await
         .unwrap()
         .into_inner()
-        .lease_id;
-    client
+}
+
+/// Every shard one acquire answers with, at most `max_shards`.
+async fn acquire(
+    client: &mut WorkerServiceClient<tonic::transport::Channel>,
+    worker_id: &str,
+    lease_id: i64,
+    max_shards: u32,
+) -> Result<Vec<pb::ShardAssignment>, tonic::Status> {
+    let response = client
         .acquire_shard(pb::AcquireShardRequest {
             worker_id: worker_id.into(),
             lease_id,
-            max_shards: 1,
+            max_shards,
         })
+        .await?
+        .into_inner();
+    assert!(
+        response.assignment.is_some() || response.more.is_empty(),
+        "more shards without a first"
+    );
+    Ok(response.assignment.into_iter().chain(response.more).collect())
+}
+
+async fn register_and_acquire(
+    client: &mut WorkerServiceClient<tonic::transport::Channel>,
+    worker_id: &str,
+) -> Option<pb::ShardAssignment> {
+    let lease_id = register(client, worker_id).await.lease_id;
+    acquire(client, worker_id, lease_id, 1)
         .await
         .unwrap()
-        .into_inner()
-        .assignment
+        .into_iter()
+        .next()
 }
 
 /// A snapshot cursor of `epoch` just after bigint key `key`.
@@ -210,16 +233,31 @@ async fn checkpoint_row(cluster: &Cluster, shard_id: u32) -> (serde_json::Value,
 
 /// A one-shard task over `rows` items, no worker running, and a client of the worker API.
 async fn one_shard_task(tag: &str, rows: i64) -> (Cluster, WorkerServiceClient<tonic::transport::Channel>) {
+    sharded_task(tag, rows, 1).await
+}
+
+/// A task of `shards` shards over `rows` items, no worker running, and a client of the
+/// worker API.
+async fn sharded_task(tag: &str, rows: i64, shards: u32) -> (Cluster, WorkerServiceClient<tonic::transport::Channel>) {
     let mut cluster = Cluster::new(tag).await;
     create_items(&cluster.source, KeyKind::Bigint, rows).await;
     cluster
         .start(&TaskSettings {
-            shards: 1,
+            shards,
             ..TaskSettings::default()
         })
         .await;
     let client = worker_client(&cluster).await;
     (cluster, client)
+}
+
+/// The owner and fence the control database records for shard `shard_id`.
+async fn owner_and_fence(cluster: &Cluster, shard_id: u32) -> (Option<String>, i64) {
+    sqlx::query_as("SELECT owner, fence FROM checkpoints WHERE shard_id = $1")
+        .bind(shard_id as i32)
+        .fetch_one(&cluster.control.pool)
+        .await
+        .unwrap()
 }
 
 /// `owner` releases the shard of `assignment`, asking for a pause when `pause_reason` is set.
@@ -695,15 +733,7 @@ async fn a_commit_group_answers_each_commit_on_its_own() {
     use tidemark_coordinator::checkpoints::{CommitBatch, ControlDb, ShardKey};
     use tidemark_coordinator::error::CoordinatorError;
 
-    let mut cluster = Cluster::new("group").await;
-    create_items(&cluster.source, KeyKind::Bigint, 600).await;
-    cluster
-        .start(&TaskSettings {
-            shards: 6,
-            ..TaskSettings::default()
-        })
-        .await;
-    let mut client = worker_client(&cluster).await;
+    let (cluster, mut client) = sharded_task("group", 600, 6).await;
     let mut owned = Vec::new();
     for n in 0..6 {
         let assignment = register_and_acquire(&mut client, &format!("w{n}"))
@@ -931,15 +961,7 @@ async fn a_registration_group_answers_each_registration_on_its_own() {
     use tidemark_coordinator::checkpoints::{ControlDb, RegisterBatch, ShardKey};
     use tidemark_coordinator::error::CoordinatorError;
 
-    let mut cluster = Cluster::new("reggroup").await;
-    create_items(&cluster.source, KeyKind::Bigint, 600).await;
-    cluster
-        .start(&TaskSettings {
-            shards: 5,
-            ..TaskSettings::default()
-        })
-        .await;
-    let mut client = worker_client(&cluster).await;
+    let (cluster, mut client) = sharded_task("reggroup", 600, 5).await;
     let mut owned = Vec::new();
     for n in 0..5 {
         owned.push(
@@ -1189,15 +1211,7 @@ async fn a_coordinator_starts_while_a_target_transaction_holds_the_ledger() {
 async fn a_claim_group_answers_each_claim_on_its_own() {
     use tidemark_coordinator::checkpoints::{Claim, ControlDb, ShardKey};
 
-    let mut cluster = Cluster::new("claims").await;
-    create_items(&cluster.source, KeyKind::Bigint, 300).await;
-    cluster
-        .start(&TaskSettings {
-            shards: 3,
-            ..TaskSettings::default()
-        })
-        .await;
-    let mut client = worker_client(&cluster).await;
+    let (cluster, mut client) = sharded_task("claims", 300, 3).await;
     let a = register_and_acquire(&mut client, "w-a").await.expect("a free shard");
     let upper = after_key(a.epoch, 10);
     client
@@ -1286,52 +1300,23 @@ async fn a_claim_group_answers_each_claim_on_its_own() {
 /// database records each claim's owner and fence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_acquire_claims_up_to_the_workers_share() {
-    let mut cluster = Cluster::new("many").await;
-    create_items(&cluster.source, KeyKind::Bigint, 800).await;
-    cluster
-        .start(&TaskSettings {
-            shards: 8,
-            ..TaskSettings::default()
-        })
-        .await;
-    let mut client = worker_client(&cluster).await;
+    let (cluster, mut client) = sharded_task("many", 800, 8).await;
     let mut leases = std::collections::HashMap::new();
     for worker in ["w-a", "w-b"] {
-        let lease = client
-            .register_worker(pb::RegisterWorkerRequest {
-                worker_id: worker.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .lease_id;
-        leases.insert(worker, lease);
+        leases.insert(worker, register(&mut client, worker).await.lease_id);
     }
-    let mut acquire = async |worker: &'static str, max_shards: u32| -> Vec<pb::ShardAssignment> {
-        let response = client
-            .acquire_shard(pb::AcquireShardRequest {
-                worker_id: worker.into(),
-                lease_id: leases[worker],
-                max_shards,
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(
-            response.assignment.is_some() || response.more.is_empty(),
-            "more shards without a first"
-        );
-        response.assignment.into_iter().chain(response.more).collect()
+    let mut take = async |worker: &'static str, max_shards: u32| {
+        acquire(&mut client, worker, leases[worker], max_shards).await.unwrap()
     };
-    let a = acquire("w-a", 8).await;
+    let a = take("w-a", 8).await;
     assert_eq!(a.len(), 4, "8 waiting, 2 workers: a share of 4");
-    let b = acquire("w-b", 2).await;
+    let b = take("w-b", 2).await;
     assert_eq!(b.len(), 2, "asked for 2");
-    let old = acquire("w-b", 0).await;
+    let old = take("w-b", 0).await;
     assert_eq!(old.len(), 1, "a worker that names no number gets one");
-    let last = acquire("w-a", 8).await;
+    let last = take("w-a", 8).await;
     assert_eq!(last.len(), 1, "one left");
-    assert!(acquire("w-a", 8).await.is_empty(), "none left");
+    assert!(take("w-a", 8).await.is_empty(), "none left");
 
     let mut held: Vec<(&str, &pb::ShardAssignment)> = Vec::new();
     held.extend(a.iter().chain(&last).map(|s| ("w-a", s)));
@@ -1340,12 +1325,7 @@ async fn one_acquire_claims_up_to_the_workers_share() {
     ids.sort();
     assert_eq!(ids, (0..8).collect::<Vec<u32>>(), "each shard claimed once");
     for (worker, assignment) in held {
-        let (owner, fence): (Option<String>, i64) =
-            sqlx::query_as("SELECT owner, fence FROM checkpoints WHERE shard_id = $1")
-                .bind(assignment.shard_id as i32)
-                .fetch_one(&cluster.control.pool)
-                .await
-                .unwrap();
+        let (owner, fence) = owner_and_fence(&cluster, assignment.shard_id).await;
         assert_eq!(
             (owner.as_deref(), fence),
             (Some(worker), assignment.fence_token as i64),
@@ -1361,33 +1341,11 @@ async fn one_acquire_claims_up_to_the_workers_share() {
 /// at the queue's correcting read a minute later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_under_an_expired_lease_is_refused_and_claims_nothing() {
-    let mut cluster = Cluster::new("expired").await;
-    create_items(&cluster.source, KeyKind::Bigint, 200).await;
-    cluster
-        .start(&TaskSettings {
-            shards: 2,
-            ..TaskSettings::default()
-        })
-        .await;
-    let mut client = worker_client(&cluster).await;
-    let register = async |client: &mut WorkerServiceClient<tonic::transport::Channel>, worker: &str| {
-        client
-            .register_worker(pb::RegisterWorkerRequest {
-                worker_id: worker.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-    };
+    let (cluster, mut client) = sharded_task("expired", 200, 2).await;
     let gone = register(&mut client, "w-gone").await;
     // Never kept alive: expired one TTL later (etcd checks expiry every 500 ms).
     tokio::time::sleep(Duration::from_millis(gone.lease_ttl_ms + 1_500)).await;
-    let refused = client
-        .acquire_shard(pb::AcquireShardRequest {
-            worker_id: "w-gone".into(),
-            lease_id: gone.lease_id,
-            max_shards: 2,
-        })
+    let refused = acquire(&mut client, "w-gone", gone.lease_id, 2)
         .await
         .expect_err("an expired lease claims nothing");
     assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
@@ -1395,25 +1353,11 @@ async fn an_acquire_under_an_expired_lease_is_refused_and_claims_nothing() {
 
     let live = register(&mut client, "w-live").await;
     let started = std::time::Instant::now();
-    let response = client
-        .acquire_shard(pb::AcquireShardRequest {
-            worker_id: "w-live".into(),
-            lease_id: live.lease_id,
-            max_shards: 2,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let taken: Vec<pb::ShardAssignment> = response.assignment.into_iter().chain(response.more).collect();
+    let taken = acquire(&mut client, "w-live", live.lease_id, 2).await.unwrap();
     assert_eq!(taken.len(), 2, "both shards, in the first acquire after the refusal");
     assert!(started.elapsed() < Duration::from_secs(5));
     for assignment in &taken {
-        let (owner, fence): (Option<String>, i64) =
-            sqlx::query_as("SELECT owner, fence FROM checkpoints WHERE shard_id = $1")
-                .bind(assignment.shard_id as i32)
-                .fetch_one(&cluster.control.pool)
-                .await
-                .unwrap();
+        let (owner, fence) = owner_and_fence(&cluster, assignment.shard_id).await;
         assert_eq!(
             (owner.as_deref(), fence),
             (Some("w-live"), assignment.fence_token as i64)
