@@ -16,3 +16,10 @@ pub fn admin_client(
 ) -> v1::admin_service_client::AdminServiceClient<tonic::transport::Channel> {
     v1::admin_service_client::AdminServiceClient::new(channel).max_decoding_message_size(ADMIN_MAX_MESSAGE_BYTES)
 }
+
+impl v1::AcquireShardResponse {
+    /// Every shard the acquire claimed: `assignment`, then `more`.
+    pub fn assignments(self) -> Vec<v1::ShardAssignment> {
+        self.assignment.into_iter().chain(self.more).collect()
+    }
+}

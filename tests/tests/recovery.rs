@@ -194,7 +194,7 @@ async fn acquire(
         response.assignment.is_some() || response.more.is_empty(),
         "more shards without a first"
     );
-    Ok(response.assignment.into_iter().chain(response.more).collect())
+    Ok(response.assignments())
 }
 
 async fn register_and_acquire(

@@ -153,13 +153,13 @@ impl CoordinatorClient {
             lease_id,
             max_shards,
         };
-        let response = self
+        Ok(self
             .once(|mut c| {
                 let request = request.clone();
                 async move { c.acquire_shard(request).await }
             })
-            .await?;
-        Ok(response.assignment.into_iter().chain(response.more).collect())
+            .await?
+            .assignments())
     }
 
     pub async fn register_batch(&self, request: pb::RegisterBatchRequest) -> Result<(), WorkerError> {

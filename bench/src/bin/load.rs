@@ -363,9 +363,7 @@ async fn worker(
             {
                 Ok(response) => {
                     shared.latencies.record("acquire_shard", started).await;
-                    let response = response.into_inner();
-                    let assignments: Vec<pb::ShardAssignment> =
-                        response.assignment.into_iter().chain(response.more).collect();
+                    let assignments = response.into_inner().assignments();
                     idle = if assignments.is_empty() {
                         Duration::from_secs(1)
                     } else {

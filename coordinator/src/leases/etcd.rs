@@ -201,6 +201,14 @@ impl EtcdLeases {
         Ok(response.ttl() > 0)
     }
 
+    /// Creates `shard`'s ownership key under `lease_id` if the key does not exist.
+    fn claim_txn(&self, shard: &ShardKey, worker_id: &str, lease_id: i64) -> Txn {
+        let key = self.owner_key(shard);
+        Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, worker_id, Some(PutOptions::new().with_lease(lease_id)))])
+    }
+
     /// Creates the ownership key if no one holds it; the fence token is its revision. An
     /// expired lease is `LeaseExpired`: etcd refuses a put under a lease it does not have, so
     /// the claim itself checks the lease (a separate `lease_alive` waited, like every lease
@@ -211,14 +219,10 @@ impl EtcdLeases {
         worker_id: &str,
         lease_id: i64,
     ) -> Result<Option<u64>, CoordinatorError> {
-        let key = self.owner_key(shard);
-        let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key, worker_id, Some(PutOptions::new().with_lease(lease_id)))]);
         let response = self
             .client
             .clone()
-            .txn(txn)
+            .txn(self.claim_txn(shard, worker_id, lease_id))
             .await
             .map_err(|error| claim_error(error, lease_id))?;
         if !response.succeeded() {
@@ -246,14 +250,7 @@ impl EtcdLeases {
         }
         let claims: Vec<TxnOp> = shards
             .iter()
-            .map(|shard| {
-                let key = self.owner_key(shard);
-                TxnOp::txn(
-                    Txn::new()
-                        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-                        .and_then([TxnOp::put(key, worker_id, Some(PutOptions::new().with_lease(lease_id)))]),
-                )
-            })
+            .map(|shard| TxnOp::txn(self.claim_txn(shard, worker_id, lease_id)))
             .collect();
         let response = self
             .client
