@@ -84,6 +84,16 @@ impl CopyFormat {
         }
     }
 
+    /// Field `index` of a row as staged, undecoded (text: still escaped; binary: the value's
+    /// `send` form), to compare rather than read: `None` past the last field, `Some(None)` for
+    /// NULL.
+    pub fn raw_field(self, row: &[u8], index: usize) -> Option<Option<&[u8]>> {
+        match self {
+            CopyFormat::Text => copy_text::raw_field(row, index).map(|raw| (raw != b"\\N").then_some(raw)),
+            CopyFormat::Binary => copy_binary::field(row, index),
+        }
+    }
+
     /// Field `index` of a row as text (`None`: NULL), decoded as `sql_type` in binary.
     pub fn field_text(self, row: &[u8], index: usize, sql_type: &str) -> Result<Option<String>, String> {
         match self {

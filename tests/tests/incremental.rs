@@ -9,9 +9,10 @@ use sqlx::Row;
 use tidemark_common::cursor::{Cursor, KeyValue, ShardRange};
 use tidemark_common::pg::{Column, TableName, TableSql};
 use tidemark_common::staging::Staging;
+use tidemark_tests::otlp::{sample, scrape};
 use tidemark_tests::{
-    Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, TestDb, compare_table, create_items, insert_items, key_states,
-    write_changes,
+    Cluster, ITEM_COLUMNS, KeyKind, TaskSettings, TestDb, compare_table, create_items, free_port, insert_items,
+    key_states, write_changes,
 };
 
 const MICROS_PER_SECOND: i64 = 1_000_000;
@@ -651,10 +652,10 @@ async fn snapshot_with_a_concurrent_writer_converges() {
     );
 }
 
-/// Each cycle re-reads its last `overlap` of changes. Rows the target already holds at the
-/// same version and values are left alone: the re-read costs reads, not new row versions.
+/// Each cycle re-reads its last `overlap` of changes. Rows the shard applied already, unchanged,
+/// are left out of its batches: the re-read costs reads, not staged rows or new row versions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn overlap_re_reads_do_not_rewrite_unchanged_rows() {
+async fn overlap_re_reads_leave_out_the_rows_the_shard_applied_unchanged() {
     let mut cluster = Cluster::new("reread").await;
     create_items(&cluster.source, KeyKind::Bigint, 2_000).await;
     let settings = TaskSettings {
@@ -663,17 +664,17 @@ async fn overlap_re_reads_do_not_rewrite_unchanged_rows() {
         ..TaskSettings::default()
     };
     cluster.start(&settings).await;
-    cluster.spawn_worker("w", 2, &[]);
+    let metrics = format!("127.0.0.1:{}", free_port());
+    cluster.spawn_worker("w", 2, &[("TIDEMARK_METRICS_LISTEN", &metrics)]);
     let now = cluster.source_now_micros().await;
     cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
 
-    // Rows committed from here on: the 200 changed rows' first delivery, then the re-reads.
-    // (Counting from after the first delivery missed a shard whose cursor passed the change
-    // more than an overlap before the other's: its re-reads were all done by then.)
+    // Rows committed from here on: the 200 changed rows' first delivery, and nothing more.
     let applied_at: String = sqlx::query_scalar("SELECT now()::text")
         .fetch_one(&cluster.control.pool)
         .await
         .unwrap();
+    let unchanged_before = rows_unchanged(&metrics).await;
     cluster
         .source
         .exec("UPDATE items SET qty = coalesce(qty, 0) + 1, updated_at = clock_timestamp() WHERE id % 10 = 1")
@@ -687,20 +688,25 @@ async fn overlap_re_reads_do_not_rewrite_unchanged_rows() {
         .unwrap();
     assert_eq!(written.len(), 200);
 
-    // Past the overlap: the cycles since have re-read the 200 rows.
+    // Past the overlap: the cycles since have re-read the 200 rows, at least once each.
     cluster
         .wait_for_watermark(changed + 4 * MICROS_PER_SECOND, Duration::from_secs(60))
         .await;
-    let re_read: i64 = sqlx::query_scalar(
+    let staged: i64 = sqlx::query_scalar(
         "SELECT coalesce(sum(row_count), 0)::bigint FROM batches WHERE state = 'COMMITTED' AND committed_at > $1::timestamptz",
     )
     .bind(&applied_at)
     .fetch_one(&cluster.control.pool)
     .await
     .unwrap();
+    assert_eq!(
+        staged, 200,
+        "only the first delivery of the 200 changed rows was staged"
+    );
+    let left_out = rows_unchanged(&metrics).await - unchanged_before;
     assert!(
-        re_read >= 400,
-        "the overlap re-read the changed rows ({re_read} rows read since the change, 200 of them its first delivery)"
+        left_out >= 200.0,
+        "the overlap re-read the 200 rows and left them out ({left_out} rows left out)"
     );
     let after: Vec<String> = sqlx::query_scalar(versions)
         .fetch_all(&cluster.target.pool)
@@ -708,4 +714,62 @@ async fn overlap_re_reads_do_not_rewrite_unchanged_rows() {
         .unwrap();
     assert_eq!(after, written, "no row version was rewritten by the re-reads");
     cluster.items_diff().await.assert_clean("after the re-reads");
+}
+
+async fn rows_unchanged(metrics: &str) -> f64 {
+    sample(
+        &scrape(metrics).await,
+        "tidemark_rows_unchanged_total",
+        "task=\"items\"",
+    )
+    .unwrap_or(0.0)
+}
+
+/// A row changed and changed back at the same version (the writer sets the cursor time) is
+/// applied each time: the overlap leaves a row out only when it equals the last row the shard
+/// applied for its key, not any row it once applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_changed_back_at_the_same_version_reaches_the_target() {
+    let mut cluster = Cluster::new("flipback").await;
+    create_items(&cluster.source, KeyKind::Bigint, 100).await;
+    let settings = TaskSettings {
+        shards: 1,
+        overlap: "30s",
+        ..TaskSettings::default()
+    };
+    cluster.start(&settings).await;
+    cluster.spawn_worker("w", 1, &[]);
+    let pinned: String = sqlx::query_scalar("SELECT clock_timestamp()::timestamptz(3)::text")
+        .fetch_one(&cluster.source.pool)
+        .await
+        .unwrap();
+    for name in ["first", "second", "first", "second", "first"] {
+        cluster
+            .source
+            .exec(&format!(
+                "UPDATE items SET name = '{name}', updated_at = '{pinned}' WHERE id IN (7, 8)"
+            ))
+            .await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let names: Vec<String> = sqlx::query_scalar("SELECT name FROM items WHERE id IN (7, 8) ORDER BY id")
+                .fetch_all(&cluster.target.pool)
+                .await
+                .unwrap();
+            if names == [name, name] {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the target kept {names:?} for 20 s after the source wrote {name:?} at the same version"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let now = cluster.source_now_micros().await;
+    cluster.wait_for_watermark(now, Duration::from_secs(60)).await;
+    cluster
+        .items_diff()
+        .await
+        .assert_clean("after the same-version changes");
 }

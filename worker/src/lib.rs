@@ -8,6 +8,7 @@ pub mod error;
 pub mod metrics;
 pub mod page_format;
 pub mod pipeline;
+pub mod recent_rows;
 pub mod reconcile;
 pub mod resources;
 pub mod runner;

@@ -13,6 +13,7 @@ use tracing::Instrument;
 pub struct WorkerMetrics {
     pub rows_read: CounterFamily,
     pub rows_applied: CounterFamily,
+    pub rows_unchanged: CounterFamily,
     pub batches: CounterFamily,
     pub replays: CounterFamily,
     pub step_seconds: HistogramFamily,
@@ -23,6 +24,7 @@ pub struct WorkerMetrics {
 pub static METRICS: LazyLock<WorkerMetrics> = LazyLock::new(|| WorkerMetrics {
     rows_read: CounterFamily::default(),
     rows_applied: CounterFamily::default(),
+    rows_unchanged: CounterFamily::default(),
     batches: CounterFamily::default(),
     replays: CounterFamily::default(),
     step_seconds: histogram_family(),
@@ -39,6 +41,11 @@ pub fn registry() -> (Arc<Registry>, Arc<dyn Fn() + Send + Sync>) {
         "tidemark_rows_applied",
         "Rows applied to the target by this worker (batches it applied, not ones found already applied)",
         m.rows_applied.clone(),
+    );
+    registry.register(
+        "tidemark_rows_unchanged",
+        "Rows an overlap re-read found as this shard had last applied them, left out of the batch",
+        m.rows_unchanged.clone(),
     );
     registry.register(
         "tidemark_batches",

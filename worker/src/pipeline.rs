@@ -28,6 +28,7 @@ use crate::metrics;
 use crate::apply::{ApplyOutcome, BatchToApply, OverlapRegion, TaskWrite, apply_batch, ledger_holds};
 use crate::client::CoordinatorClient;
 use crate::error::WorkerError;
+use crate::recent_rows::{Filtered, RecentRows};
 use crate::resources::TaskResources;
 use crate::source::{Page, read_page, source_now_micros};
 
@@ -62,6 +63,9 @@ pub struct ShardRun {
     work_from_commit: Option<Option<pb::ReconcileOrder>>,
     /// The next page, read while the previous one was applied.
     prefetched: Option<(ReadPlan, Page, bool)>,
+    /// The rows this run applied in its last cycles, one per key: what the overlap re-read
+    /// need not stage again.
+    pub(crate) recent: RecentRows,
     /// The statements of the epoch's own table while it builds beside the live one (what a
     /// reconciliation reads of the target); `None`: the configured table.
     pub(crate) epoch_sql: Option<TableSql>,
@@ -230,6 +234,7 @@ impl ShardRun {
             release_requested: false,
             work_from_commit: None,
             prefetched: None,
+            recent: RecentRows::default(),
             epoch_sql: None,
         })
     }
@@ -266,6 +271,9 @@ impl ShardRun {
             self.replay(client, &pending).await?;
         }
         let poll_interval = Duration::from_millis(self.task.poll_interval_ms.max(10));
+        // Reads start a poll interval apart: after a read that took longer (a burst of
+        // changes), the next starts at once rather than a further interval later.
+        let mut reading_since = tokio::time::Instant::now();
         loop {
             if *stop.borrow() {
                 return Ok(());
@@ -281,9 +289,10 @@ impl ShardRun {
             }
             if caught_up {
                 tokio::select! {
-                    _ = tokio::time::sleep(poll_interval) => {}
+                    _ = tokio::time::sleep_until(reading_since + poll_interval) => {}
                     _ = stop.changed() => {}
                 }
+                reading_since = tokio::time::Instant::now();
             }
         }
     }
@@ -404,6 +413,7 @@ impl ShardRun {
             "reading COPY text from now on");
         self.sql.page_format = CopyFormat::Text;
         self.prefetched = None;
+        self.recent.clear();
     }
 
     /// Decides what the next page reads. `None`: nothing can be read yet.
@@ -416,7 +426,10 @@ impl ShardRun {
             } => {
                 let floor = *floor_micros;
                 match self.read_window_high().await? {
-                    Some(high) if high > floor => Some(high),
+                    Some(high) if high > floor => {
+                        self.recent.forget_below(floor - (self.task.overlap_ms as i64) * 1000);
+                        Some(high)
+                    }
                     // Nothing new can be read yet; the watermark never moves back.
                     _ => return Ok(None),
                 }
@@ -736,6 +749,7 @@ impl ShardRun {
             rows = tracing::field::Empty,
             bytes = tracing::field::Empty,
             format = tracing::field::Empty,
+            unchanged = tracing::field::Empty,
             lower = tracing::field::Empty,
             upper = tracing::field::Empty,
             replay = false,
@@ -771,6 +785,8 @@ impl ShardRun {
             return Ok(true);
         }
         let lower = self.cursor.clone();
+        let mut page = page;
+        let filtered = self.leave_out_applied(&plan, &mut page)?;
         // After a full page the next one is known already: read it while this one is staged,
         // applied and committed (at most one page ahead; it is dropped if this batch fails).
         let next = if full { self.plan_next(&upper) } else { None };
@@ -783,7 +799,7 @@ impl ShardRun {
             repair: false,
             target_layout: plan.target_layout,
         };
-        match next {
+        let clean = match next {
             None => self.deliver(client, page).await?,
             Some(next) => {
                 let reader = self.reader();
@@ -793,19 +809,51 @@ impl ShardRun {
                 };
                 let (delivered, (next, read)) =
                     tokio::join!(self.deliver(client, page), metrics::step("read", read_ahead));
-                delivered?;
+                let clean = delivered?;
                 // A failed read ahead is simply read again by the next step.
                 if let Ok((page, full)) = read {
                     self.prefetched = Some((next, page, full));
                 }
+                clean
             }
+        };
+        if let Some(filtered) = filtered {
+            self.recent.committed(filtered, clean);
         }
         Ok(!full)
     }
 
+    /// Leaves out of an incremental page the rows this run applied already, unchanged (see
+    /// `recent_rows`), and returns what to remember once the page commits. Other pages go as
+    /// they were read.
+    fn leave_out_applied(&self, plan: &ReadPlan, page: &mut Page) -> Result<Option<Filtered>, WorkerError> {
+        let Some((_, high)) = plan.cycle else {
+            return Ok(None);
+        };
+        if self.task.overlap_ms == 0 || page.row_count == 0 {
+            return Ok(None);
+        }
+        let mut filtered = self
+            .recent
+            .filter(page.format, &page.data, &self.sql.key_positions(), high)
+            .map_err(WorkerError::Data)?;
+        if let Some(data) = filtered.data.take() {
+            tracing::Span::current().record("unchanged", filtered.skipped);
+            metrics::count(&metrics::METRICS.rows_unchanged, &self.task.name, filtered.skipped);
+            page.data = Bytes::from(data);
+            page.row_count = filtered.kept;
+        }
+        Ok(Some(filtered))
+    }
+
     /// The batch protocol for one page of data read at the committed cursor: stage, register,
-    /// apply, verify, commit. A repair batch (reconciliation) has `upper == lower`.
-    pub(crate) async fn deliver(&mut self, client: &CoordinatorClient, page: PageToDeliver) -> Result<(), WorkerError> {
+    /// apply, verify, commit. A repair batch (reconciliation) has `upper == lower`. Returns
+    /// whether every row reached the target (none went to the dead letters).
+    pub(crate) async fn deliver(
+        &mut self,
+        client: &CoordinatorClient,
+        page: PageToDeliver,
+    ) -> Result<bool, WorkerError> {
         let PageToDeliver {
             lower,
             upper,
@@ -831,7 +879,8 @@ impl ShardRun {
             late_row_lateness_micros: Vec::new(),
         };
         if row_count == 0 {
-            return metrics::step("commit", self.commit(client, bounds, true, false)).await;
+            metrics::step("commit", self.commit(client, bounds, true, false)).await?;
+            return Ok(true);
         }
 
         let mut manifest = Manifest {
@@ -890,6 +939,7 @@ impl ShardRun {
             other => other?,
         };
         self.count_dead_letters(&applied);
+        let clean = applied.dead_letters == 0;
         let (outcome, late) = (applied.outcome, applied.late);
         if outcome == ApplyOutcome::Applied {
             metrics::count(&metrics::METRICS.rows_applied, &self.task.name, row_count);
@@ -921,7 +971,7 @@ impl ShardRun {
             ]))
             .inc();
         crash::point("after_commit");
-        Ok(())
+        Ok(clean)
     }
 
     /// Work beside reading (a reconciliation of this shard), as the step's last commit
