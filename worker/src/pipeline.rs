@@ -271,9 +271,6 @@ impl ShardRun {
             self.replay(client, &pending).await?;
         }
         let poll_interval = Duration::from_millis(self.task.poll_interval_ms.max(10));
-        // Reads start a poll interval apart: after a read that took longer (a burst of
-        // changes), the next starts at once rather than a further interval later.
-        let mut reading_since = tokio::time::Instant::now();
         loop {
             if *stop.borrow() {
                 return Ok(());
@@ -289,10 +286,9 @@ impl ShardRun {
             }
             if caught_up {
                 tokio::select! {
-                    _ = tokio::time::sleep_until(reading_since + poll_interval) => {}
+                    _ = tokio::time::sleep(poll_interval) => {}
                     _ = stop.changed() => {}
                 }
-                reading_since = tokio::time::Instant::now();
             }
         }
     }
