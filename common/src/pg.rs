@@ -10,6 +10,7 @@ use crate::cursor::{KeyValue, ShardRange};
 
 pub mod accumulate;
 pub mod connector;
+pub mod copy_out;
 pub mod cursor_zone;
 pub mod deletes;
 pub mod reconcile;

@@ -657,3 +657,59 @@ async fn a_batch_failing_the_same_way_pauses_its_task_with_the_error() {
     assert!(run["keys_repaired"].as_u64().unwrap() > 0, "{run}");
     cluster.items_diff().await.assert_clean("after the column came back");
 }
+
+/// DDL holding the source table past the session's `lock_timeout` refuses a page's COPY before
+/// it starts. The error is retried, and the pooled session it ran on must not answer the next
+/// statements with the replies of earlier ones (sqlx leaves such a session one reply behind:
+/// `no rows returned`, an empty list, or another statement's rows). The session is closed;
+/// the next statements on the pool get their own answers, the next page its rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_refused_by_a_lock_timeout_leaves_no_session_out_of_step() {
+    use tidemark_common::copy_format::CopyFormat;
+    use tidemark_common::pg::TableName;
+    use tidemark_common::pg::connector::PgSource;
+    use tidemark_common::source::{PageRequest, Source};
+
+    let db = TestDb::create("copy_lock").await;
+    db.exec("CREATE TABLE t (id int PRIMARY KEY, v text); INSERT INTO t VALUES (1, 'a'), (2, 'b'), (3, 'c')")
+        .await;
+    // One session, so every statement below runs where the refused COPY ran.
+    let pool = tidemark_common::pg::guarded_pool(&db.url, "copy-lock-test", 1, Duration::from_secs(1)).unwrap();
+    let source = PgSource { pool: pool.clone() };
+    let table = TableName::parse("t").unwrap();
+    let page = || PageRequest {
+        format: CopyFormat::Text,
+        field_types: &[],
+    };
+    let statement = "COPY (SELECT id, v FROM t ORDER BY id) TO STDOUT";
+    // The session exists and has prepared statements before the refusal.
+    assert!(source.now_micros().await.unwrap() > 0);
+
+    let mut ddl = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *ddl)
+        .await
+        .unwrap();
+    let refused = source.read_copy(statement, &table, page()).await.unwrap_err();
+    assert!(
+        matches!(&refused, sqlx::Error::Database(e) if e.code().as_deref() == Some("55P03")),
+        "{refused}"
+    );
+    ddl.commit().await.unwrap();
+
+    let row: (i32, String) = sqlx::query_as("SELECT id, v FROM t WHERE id = 2")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(row, (2, "b".to_string()));
+    let ids: Vec<i32> = sqlx::query_scalar("SELECT id FROM t WHERE id >= 2 ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids, vec![2, 3]);
+    let page = source.read_copy(statement, &table, page()).await.unwrap();
+    assert_eq!(&page.data[..], b"1\ta\n2\tb\n3\tc\n");
+    let columns: Vec<String> = page.types.unwrap().into_iter().map(|(name, _, _)| name).collect();
+    assert_eq!(columns, vec!["id".to_string(), "v".to_string()]);
+    pool.close().await;
+}

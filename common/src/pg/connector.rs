@@ -229,14 +229,7 @@ impl Source for PgSource {
         table: &TableName,
         page: PageRequest<'_>,
     ) -> Result<CopyPage, sqlx::Error> {
-        use futures::TryStreamExt;
-        let mut conn = self.pool.acquire().await?;
-        let mut stream = conn.copy_out_raw(statement).await?;
-        let mut buffer = bytes::BytesMut::new();
-        while let Some(chunk) = stream.try_next().await? {
-            buffer.extend_from_slice(&chunk);
-        }
-        drop(stream);
+        let (buffer, mut conn) = super::copy_out::read_all(self.pool.acquire().await?, statement).await?;
         let types = super::column_types(&mut *conn, table).await?;
         Ok(CopyPage {
             data: buffer.freeze(),
