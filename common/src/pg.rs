@@ -471,10 +471,13 @@ impl TableSql {
         )
     }
 
-    /// The first key whose cursor is `'infinity'` or `'-infinity'` (its key values as text,
-    /// then the value), and the newest finite cursor time (microseconds). No read window
-    /// holds an infinite time; the newest one tells whether writers' times agree with the
-    /// source clock (both probes use an index on the cursor when there is one).
+    /// A key whose cursor is `'infinity'` or `'-infinity'` (its key values as text, then the
+    /// value), and the newest finite cursor time (microseconds). No read window holds an
+    /// infinite time; the newest one tells whether writers' times agree with the source clock.
+    /// Two probes, the highest and the lowest cursor, each an `ORDER BY … LIMIT 1` that reads
+    /// one entry of an index on the cursor. (A filter for the infinite values under `LIMIT 1`
+    /// was planned as a sequential scan expected to stop early while the table had no
+    /// statistics, and it reads the whole table when, as usual, no row matches.)
     pub fn cursor_extremes(&self) -> String {
         let cursor = self.cursor();
         let keys: Vec<String> = self
@@ -482,16 +485,21 @@ impl TableSql {
             .iter()
             .map(|k| format!("{}::text", quote_ident(k)))
             .collect();
+        let probe = |order: &str| {
+            format!(
+                "SELECT {cursor} AS c, ARRAY[{keys}, {cursor}::text] AS r FROM {table} WHERE {cursor} IS NOT NULL \
+                 ORDER BY {cursor} {order} LIMIT 1",
+                keys = keys.join(", "),
+                table = self.source.quoted(),
+            )
+        };
         format!(
-            "SELECT (SELECT ARRAY[{keys}, {cursor}::text] FROM {table} WHERE {cursor} = 'infinity' OR {cursor} = '-infinity' \
-             LIMIT 1), (SELECT {newest} FROM {table} WHERE isfinite({cursor}))",
-            keys = keys.join(", "),
-            table = self.source.quoted(),
-            newest = cursor_micros_expr(
-                &format!("max({cursor})"),
-                self.cursor_type(),
-                self.cursor_zone.as_deref()
-            ),
+            "WITH hi AS ({hi}), lo AS ({lo}) \
+             SELECT coalesce((SELECT r FROM hi WHERE c = 'infinity'), (SELECT r FROM lo WHERE c = '-infinity')), \
+             (SELECT {newest} FROM hi WHERE isfinite(c))",
+            hi = probe("DESC"),
+            lo = probe("ASC"),
+            newest = cursor_micros_expr("c", self.cursor_type(), self.cursor_zone.as_deref()),
         )
     }
 

@@ -713,3 +713,73 @@ async fn a_copy_refused_by_a_lock_timeout_leaves_no_session_out_of_step() {
     assert_eq!(columns, vec!["id".to_string(), "v".to_string()]);
     pool.close().await;
 }
+
+/// S24's probe runs every poll interval for each task. It must read an index on the cursor
+/// even while the table has no statistics (a bulk load just ended, autovacuum is off): a
+/// filter for the infinite values under `LIMIT 1` was planned as a sequential scan expected
+/// to stop early, and read the whole table each round, because no row matches. It still finds
+/// `'-infinity'` and `'infinity'` by key, and the newest finite time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_infinite_cursor_probe_reads_an_index_without_statistics() {
+    use tidemark_common::pg::connector::PgSource;
+    use tidemark_common::pg::{Column, TableName, TableSql};
+    use tidemark_common::source::Source;
+
+    let db = TestDb::create("extremes").await;
+    create_items(&db, KeyKind::Bigint, 50_000).await;
+    let reltuples: f32 = sqlx::query_scalar("SELECT reltuples FROM pg_class WHERE oid = 'items'::regclass")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(reltuples, -1.0, "the table has no statistics yet");
+    let sql = TableSql {
+        source: TableName::parse("public.items").unwrap(),
+        target: TableName::parse("public.items").unwrap(),
+        columns: vec![
+            Column {
+                name: "id".into(),
+                sql_type: "bigint".into(),
+            },
+            Column {
+                name: "updated_at".into(),
+                sql_type: "timestamp(3) with time zone".into(),
+            },
+        ],
+        key_columns: vec!["id".into()],
+        cursor_column: Some("updated_at".into()),
+        version_column: None,
+        deletes: None,
+        filter: None,
+        page_format: tidemark_common::copy_format::CopyFormat::Text,
+        cursor_zone: None,
+    };
+    let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (FORMAT JSON) {}",
+        sql.cursor_extremes()
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let plan = plan.to_string();
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+    assert!(plan.contains("items_cursor"), "{plan}");
+
+    let source = PgSource { pool: db.pool.clone() };
+    let newest: i64 = sqlx::query_scalar("SELECT (extract(epoch from max(updated_at)) * 1000000)::bigint FROM items")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(source.cursor_extremes(&sql).await.unwrap(), Some((None, Some(newest))));
+    db.exec("UPDATE items SET updated_at = '-infinity' WHERE id = 5").await;
+    assert_eq!(
+        source.cursor_extremes(&sql).await.unwrap(),
+        Some((Some(vec!["5".to_string(), "-infinity".to_string()]), Some(newest)))
+    );
+    db.exec("UPDATE items SET updated_at = 'infinity' WHERE id = 6").await;
+    let (infinite, _) = source.cursor_extremes(&sql).await.unwrap().unwrap();
+    assert_eq!(infinite, Some(vec!["6".to_string(), "infinity".to_string()]));
+    db.exec("UPDATE items SET updated_at = now() WHERE id IN (5, 6)").await;
+    let (infinite, after) = source.cursor_extremes(&sql).await.unwrap().unwrap();
+    assert_eq!(infinite, None);
+    assert!(after.unwrap() > newest);
+}
