@@ -475,7 +475,16 @@ impl ControlDb {
                 candidates: Arc::default(),
             });
         }
-        let mut options = connect_options(url, "tidemark-coordinator").map_err(CoordinatorError::InvalidRequest)?;
+        // One plan per statement and session, made once: the control statements are key
+        // lookups over arrays whose best plan does not depend on the values bound, and
+        // PostgreSQL otherwise plans each of them anew on most executions (a custom plan is
+        // estimated cheaper for an array parameter). At 1,000 workers that planning was 29 %
+        // of the control database's CPU (BENCHMARKS.md, issue 20, session 32). A plan made
+        // while a table was small is replaced when its statistics are refreshed
+        // (`control_statistics`).
+        let mut options = connect_options(url, "tidemark-coordinator")
+            .map_err(CoordinatorError::InvalidRequest)?
+            .options([("plan_cache_mode", "force_generic_plan")]);
         if let Some(schema) = schema {
             options = options.options([("search_path", schema)]);
         }
@@ -529,6 +538,15 @@ impl ControlDb {
         match &self.store {
             Store::Postgres(pool) => pool,
             Store::Sqlite(_) => unreachable!("a statement for PostgreSQL on the embedded control store"),
+        }
+    }
+
+    /// The PostgreSQL control database's pool; `None` for the embedded store. For
+    /// diagnostics: what its sessions planned (`pg_prepared_statements`).
+    pub fn postgres_pool(&self) -> Option<&PgPool> {
+        match &self.store {
+            Store::Postgres(pool) => Some(pool),
+            Store::Sqlite(_) => None,
         }
     }
 
