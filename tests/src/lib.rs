@@ -1122,3 +1122,28 @@ pub async fn write_changes(db: &TestDb, key: KeyKind, existing_rows: i64, rounds
         .await
         .unwrap()
 }
+
+/// The statements of a task that reads `table` into the table of the same name, with these
+/// columns (name, type), keyed by `keys`, paged by an `updated_at` cursor, its version the
+/// cursor time, upserting as COPY text. Other settings by struct update.
+pub fn cursor_table_sql(table: &str, columns: &[(String, String)], keys: &[&str]) -> tidemark_common::pg::TableSql {
+    use tidemark_common::pg::{Column, TableName, TableSql};
+    TableSql {
+        source: TableName::parse(table).unwrap(),
+        target: TableName::parse(table).unwrap(),
+        columns: columns
+            .iter()
+            .map(|(name, sql_type)| Column {
+                name: name.clone(),
+                sql_type: sql_type.clone(),
+            })
+            .collect(),
+        key_columns: keys.iter().map(|k| k.to_string()).collect(),
+        cursor_column: Some("updated_at".into()),
+        version_column: None,
+        deletes: None,
+        filter: None,
+        page_format: tidemark_common::copy_format::CopyFormat::Text,
+        cursor_zone: None,
+    }
+}

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::Row;
 use tidemark_common::cursor::{Cursor, KeyValue, ShardRange};
-use tidemark_common::pg::{Column, TableName, TableSql};
+use tidemark_common::pg::TableSql;
 use tidemark_common::staging::Staging;
 use tidemark_tests::otlp::{sample, scrape};
 use tidemark_tests::{
@@ -234,28 +234,18 @@ async fn composite_key_ties_in_one_millisecond_survive_a_crash_between_pages() {
     assert_eq!(counts, vec![700, 700, 700, 700, 700, 700, 700, 100]);
 
     // The cursor condition is served by the (updated_at, tenant_id, order_id) index: no sort.
-    let sql = TableSql {
-        source: TableName::parse("public.orders").unwrap(),
-        target: TableName::parse("public.orders").unwrap(),
-        columns: columns
-            .iter()
-            .map(|c| Column {
-                name: c.to_string(),
-                sql_type: if *c == "updated_at" {
-                    "timestamp(3) with time zone".into()
-                } else {
-                    "text".into()
-                },
-            })
-            .collect(),
-        key_columns: vec!["tenant_id".into(), "order_id".into()],
-        cursor_column: Some("updated_at".into()),
-        version_column: None,
-        deletes: None,
-        filter: None,
-        page_format: tidemark_common::copy_format::CopyFormat::Text,
-        cursor_zone: None,
-    };
+    let typed: Vec<(String, String)> = columns
+        .iter()
+        .map(|c| {
+            let sql_type = if *c == "updated_at" {
+                "timestamp(3) with time zone"
+            } else {
+                "text"
+            };
+            (c.to_string(), sql_type.to_string())
+        })
+        .collect();
+    let sql = tidemark_tests::cursor_table_sql("public.orders", &typed, &["tenant_id", "order_id"]);
     let t: i64 = source_micros(&cluster.source, "(SELECT min(updated_at) FROM orders)").await;
     let after = [
         KeyValue {
@@ -398,21 +388,10 @@ async fn version_guard_with_trigger_versions_and_with_the_weak_default() {
         .fetch_one(&trigger.control.pool)
         .await
         .unwrap();
+    let columns: Vec<(String, String)> = serde_json::from_value(columns_json).unwrap();
     let sql = TableSql {
-        source: TableName::parse("public.items").unwrap(),
-        target: TableName::parse("public.items").unwrap(),
-        columns: serde_json::from_value::<Vec<(String, String)>>(columns_json)
-            .unwrap()
-            .into_iter()
-            .map(|(name, sql_type)| Column { name, sql_type })
-            .collect(),
-        key_columns: vec!["id".into()],
-        cursor_column: Some("updated_at".into()),
         version_column: Some("tidemark_row_version".into()),
-        deletes: None,
-        filter: None,
-        page_format: tidemark_common::copy_format::CopyFormat::Text,
-        cursor_zone: None,
+        ..tidemark_tests::cursor_table_sql("public.items", &columns, &["id"])
     };
     let batch = tidemark_worker::apply::BatchToApply {
         sql: &sql,

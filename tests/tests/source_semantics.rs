@@ -722,7 +722,6 @@ async fn a_copy_refused_by_a_lock_timeout_leaves_no_session_out_of_step() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_infinite_cursor_probe_reads_an_index_without_statistics() {
     use tidemark_common::pg::connector::PgSource;
-    use tidemark_common::pg::{Column, TableName, TableSql};
     use tidemark_common::source::Source;
 
     let db = TestDb::create("extremes").await;
@@ -732,27 +731,9 @@ async fn the_infinite_cursor_probe_reads_an_index_without_statistics() {
         .await
         .unwrap();
     assert_eq!(reltuples, -1.0, "the table has no statistics yet");
-    let sql = TableSql {
-        source: TableName::parse("public.items").unwrap(),
-        target: TableName::parse("public.items").unwrap(),
-        columns: vec![
-            Column {
-                name: "id".into(),
-                sql_type: "bigint".into(),
-            },
-            Column {
-                name: "updated_at".into(),
-                sql_type: "timestamp(3) with time zone".into(),
-            },
-        ],
-        key_columns: vec!["id".into()],
-        cursor_column: Some("updated_at".into()),
-        version_column: None,
-        deletes: None,
-        filter: None,
-        page_format: tidemark_common::copy_format::CopyFormat::Text,
-        cursor_zone: None,
-    };
+    let columns = [("id", "bigint"), ("updated_at", "timestamp(3) with time zone")];
+    let columns: Vec<(String, String)> = columns.iter().map(|(n, t)| (n.to_string(), t.to_string())).collect();
+    let sql = tidemark_tests::cursor_table_sql("public.items", &columns, &["id"]);
     let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "EXPLAIN (FORMAT JSON) {}",
         sql.cursor_extremes()
