@@ -535,10 +535,8 @@ impl ControlDb {
     /// The PostgreSQL control database. Every method answers for the embedded store before
     /// it gets here (`lite`).
     pub(crate) fn pool(&self) -> &PgPool {
-        match &self.store {
-            Store::Postgres(pool) => pool,
-            Store::Sqlite(_) => unreachable!("a statement for PostgreSQL on the embedded control store"),
-        }
+        self.postgres_pool()
+            .expect("a statement for PostgreSQL on the embedded control store")
     }
 
     /// The PostgreSQL control database's pool; `None` for the embedded store. For
